@@ -1,0 +1,201 @@
+"""Self-describing chunk format: a 128-byte header followed by the (encoded) payload.
+
+Any index can be rebuilt from the data alone, and a reader can always tell whether the bytes
+in front of it are the chunk it asked for. Header layout (little-endian, 128 bytes)::
+
+    off size field
+      0   4  magic            b"KVTC"
+      4   2  format version   1
+      6   1  codec            0 raw, 1 lz4, 2 zstd
+      7   1  flags            bit 0: payload byte-shuffled before compression
+      8   1  dtype code       see DTYPES
+      9   1  kv               2 (K and V) or 1 (latent / MLA)
+     10   2  reserved         0
+     12   4  reserved         0
+     16  16  layers, tokens, heads, head_dim   (uint32 each)
+     32  32  namespace id
+     64  32  chunk key
+     96   8  raw payload length (decoded bytes)
+    104   8  stored payload length (bytes after the header)
+    112   8  payload checksum  xxh3-64 of the stored payload
+    120   8  header checksum   xxh3-64 of bytes 0..119
+
+Decoding never returns bytes it could not verify: every problem raises :class:`ChunkError`
+whose ``reason`` is the miss-reason label the store counts.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.codec import Buf, Codec, compress, decompress
+from kvtier.errors import ChunkError
+from kvtier.keys import KEY_BYTES
+
+MAGIC = b"KVTC"
+VERSION = 1
+_HEAD = struct.Struct("<4sHBBBBHI4I32s32sQQQ")
+_CHECK = struct.Struct("<Q")
+HEADER_SIZE = _HEAD.size + _CHECK.size
+assert HEADER_SIZE == 128
+FLAG_SHUFFLE = 1
+
+# dtype name -> (code, itemsize). Codes are part of the on-disk format: never renumber.
+DTYPES: dict[str, tuple[int, int]] = {
+    "float16": (1, 2),
+    "bfloat16": (2, 2),
+    "float32": (3, 4),
+    "float8_e4m3fn": (4, 1),
+    "float8_e5m2": (5, 1),
+    "uint8": (6, 1),
+    "int8": (7, 1),
+}
+_DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+
+Shape = tuple[int, int, int, int, int]  # (layers, kv, tokens, heads, head_dim)
+
+
+def dtype_itemsize(dtype: str) -> int:
+    try:
+        return DTYPES[dtype][1]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    codec: Codec
+    shuffled: bool
+    dtype: str
+    shape: Shape
+    namespace: bytes
+    key: bytes
+    raw_len: int
+    payload_len: int
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        """Total encoded size: header plus stored payload."""
+        return HEADER_SIZE + self.payload_len
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[2]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A decoded chunk. ``payload`` holds raw K/V bytes in ``header.shape`` order.
+
+    ``payload`` may be a view into the buffer given to :func:`decode_chunk` (raw codec):
+    the caller owns that buffer and must keep it alive and unchanged while using the view.
+    """
+
+    header: ChunkHeader
+    payload: Buf
+
+
+def encode_chunk(
+    namespace: bytes,
+    key: bytes,
+    dtype: str,
+    shape: Shape,
+    payload: Buf,
+    *,
+    codec: Codec | str = Codec.RAW,
+    shuffle: bool = False,
+) -> bytearray:
+    """Header + encoded payload in one fresh buffer (one copy of ``payload`` for raw)."""
+    codec = Codec.parse(codec)
+    if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES:
+        raise ValueError(f"namespace and key must be {KEY_BYTES} bytes each")
+    if len(shape) != 5 or any(int(d) < 0 or int(d) > 0xFFFFFFFF for d in shape):
+        raise ValueError(f"shape must be 5 dims (layers, kv, tokens, heads, head_dim), got {shape}")
+    code, itemsize = DTYPES.get(dtype, (0, 0))
+    if not code:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    view = memoryview(payload).cast("B")
+    expect = math.prod(shape) * itemsize
+    if view.nbytes != expect:
+        raise ChunkError("layout_mismatch", f"payload has {view.nbytes} bytes, shape {shape} of {dtype} needs {expect}")
+    stored = compress(codec, view, shuffle_itemsize=itemsize if shuffle else 0)
+    stored_len = memoryview(stored).nbytes
+    layers, kv, tokens, heads, head_dim = (int(d) for d in shape)
+    head = _HEAD.pack(
+        MAGIC, VERSION, int(codec), FLAG_SHUFFLE if shuffle else 0, code, kv, 0, 0,
+        layers, tokens, heads, head_dim, namespace, key, expect, stored_len,
+        xxhash.xxh3_64_intdigest(stored),
+    )
+    out = bytearray(HEADER_SIZE + stored_len)
+    out[: _HEAD.size] = head
+    out[_HEAD.size : HEADER_SIZE] = _CHECK.pack(xxhash.xxh3_64_intdigest(head))
+    out[HEADER_SIZE:] = stored
+    return out
+
+
+def decode_header(data: Buf) -> ChunkHeader:
+    """Parse and verify the 128-byte header (not the payload)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < HEADER_SIZE:
+        raise ChunkError("truncated", f"{view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
+    head = view[: _HEAD.size]
+    if bytes(head[:4]) != MAGIC:
+        raise ChunkError("bad_magic", f"magic {bytes(head[:4])!r} is not {MAGIC!r}")
+    (check,) = _CHECK.unpack(view[_HEAD.size : HEADER_SIZE])
+    if xxhash.xxh3_64_intdigest(head) != check:
+        raise ChunkError("corrupt", "header checksum mismatch")
+    (_, version, codec_id, flags, dcode, kv, _, _, layers, tokens, heads, head_dim,
+     namespace, key, raw_len, payload_len, checksum) = _HEAD.unpack(head)
+    if version != VERSION:
+        raise ChunkError("bad_version", f"format version {version}, this reader knows {VERSION}")
+    try:
+        codec = Codec(codec_id)
+    except ValueError:
+        raise ChunkError("unknown_codec", f"codec id {codec_id}") from None
+    dtype = _DTYPE_BY_CODE.get(dcode)
+    if dtype is None:
+        raise ChunkError("unknown_dtype", f"dtype code {dcode}")
+    shape: Shape = (layers, kv, tokens, heads, head_dim)
+    if raw_len != math.prod(shape) * DTYPES[dtype][1]:
+        raise ChunkError("layout_mismatch", f"raw length {raw_len} does not match shape {shape} of {dtype}")
+    return ChunkHeader(codec, bool(flags & FLAG_SHUFFLE), dtype, shape, namespace, key,
+                       raw_len, payload_len, checksum)
+
+
+def decode_chunk(
+    data: Buf,
+    *,
+    namespace: bytes | None = None,
+    key: bytes | None = None,
+    dtype: str | None = None,
+    shape: Shape | None = None,
+    verify: bool = True,
+) -> Chunk:
+    """Verify and decode a chunk; each ``expect`` argument that is given must match.
+
+    ``verify=False`` skips only the payload checksum (for bytes that never left this process).
+    Trailing bytes after the payload (alignment padding) are ignored.
+    """
+    header = decode_header(data)
+    view = memoryview(data).cast("B")
+    if view.nbytes < header.nbytes:
+        raise ChunkError("truncated", f"{view.nbytes} bytes, header says {header.nbytes}")
+    if namespace is not None and header.namespace != namespace:
+        raise ChunkError("namespace_mismatch", "chunk belongs to another namespace")
+    if key is not None and header.key != key:
+        raise ChunkError("key_mismatch", "chunk carries another key than the one asked for")
+    if dtype is not None and header.dtype != dtype:
+        raise ChunkError("layout_mismatch", f"chunk dtype {header.dtype}, expected {dtype}")
+    if shape is not None and header.shape != tuple(shape):
+        raise ChunkError("layout_mismatch", f"chunk shape {header.shape}, expected {tuple(shape)}")
+    stored = view[HEADER_SIZE : header.nbytes]
+    if verify and xxhash.xxh3_64_intdigest(stored) != header.checksum:
+        raise ChunkError("corrupt", "payload checksum mismatch")
+    itemsize = DTYPES[header.dtype][1] if header.shuffled else 0
+    payload = decompress(header.codec, stored, header.raw_len, shuffle_itemsize=itemsize)
+    return Chunk(header, payload)

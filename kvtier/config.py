@@ -1,0 +1,255 @@
+"""One typed configuration: frozen dataclasses, loaded from YAML, environment or a plain dict.
+
+Precedence (lowest first): defaults < YAML file < ``KVTIER_*`` environment < explicit dict.
+Environment names are ``KVTIER_<FIELD>`` for top-level fields and ``KVTIER_<SECTION>__<FIELD>``
+for sections, e.g. ``KVTIER_DISK__PATH=/mnt/nvme/kvtier``, ``KVTIER_CPU__CAPACITY_BYTES=8GiB``.
+Sizes accept plain integers or suffixed strings (``512MiB``, ``4GiB``, ``1.5GB``); tuples
+accept YAML lists or comma-separated strings. Every invalid value raises
+:class:`kvtier.errors.ConfigError` naming the field and what it allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _rng(lo: float | None = None, hi: float | None = None, *, size: bool = False) -> dict[str, Any]:
+    return {"range": (lo, hi), "size": size}
+
+
+def _one_of(*choices: str) -> dict[str, Any]:
+    return {"choices": choices}
+
+
+@dataclass(frozen=True)
+class CpuTierConfig:
+    """Host-RAM arena of fixed-size slots (pinned when CUDA is present)."""
+
+    enabled: bool = True
+    capacity_bytes: int = field(default=1 * GiB, metadata=_rng(1 * MiB, None, size=True))
+    slot_bytes: int = field(default=4 * MiB, metadata=_rng(4096, 1 * GiB, size=True))
+    policy: str = "lru"
+    pin_memory: str = field(default="auto", metadata=_one_of("auto", "always", "never"))
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """Local SSD: one file per chunk, bounded footprint, rebuilt from headers at start."""
+
+    enabled: bool = False
+    path: str = "~/.cache/kvtier/disk"
+    capacity_bytes: int = field(default=16 * GiB, metadata=_rng(1 * MiB, None, size=True))
+    policy: str = "lru"
+    o_direct: bool = True
+
+
+@dataclass(frozen=True)
+class RedisTierConfig:
+    """Redis or Redis Cluster (``redis+cluster://h1:p1,h2:p2``); see docs/redis.md."""
+
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvtier"
+    ttl_s: int = field(default=0, metadata=_rng(0, None))
+    timeout_s: float = field(default=1.0, metadata=_rng(0.001, 600))
+    max_value_bytes: int = field(default=64 * MiB, metadata=_rng(1024, 512 * MiB, size=True))
+
+
+@dataclass(frozen=True)
+class GrpcTierConfig:
+    """Client of kvtier-server nodes (``host:port`` each); see docs/server.md."""
+
+    enabled: bool = False
+    nodes: tuple[str, ...] = ()
+    replication: int = field(default=1, metadata=_rng(1, 16))
+    timeout_s: float = field(default=2.0, metadata=_rng(0.001, 600))
+    token: str = ""
+    token_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    data_path: str = field(default="auto", metadata=_one_of("auto", "grpc", "socket", "shm"))
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    write_policy: str = field(
+        default="write_through",
+        metadata=_one_of("write_through", "write_through_selective", "write_back"),
+    )
+    selective_min_hits: int = field(default=2, metadata=_rng(1, 1_000_000))
+    queue_depth: int = field(default=256, metadata=_rng(1, 1_000_000))
+    promote_on_load: bool = True
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    chunk_tokens: int = field(default=256, metadata=_rng(1, 1 << 20))
+    hash: str = field(default="sha256", metadata=_one_of("sha256", "xxh3_128", "blake3"))
+    codec: str = field(default="raw", metadata=_one_of("raw", "lz4", "zstd"))
+    shuffle: bool = False
+    tenant: str = ""
+    salt_hex: str = ""
+    log_level: str = field(default="WARNING", metadata=_one_of("DEBUG", "INFO", "WARNING", "ERROR"))
+    cpu: CpuTierConfig = CpuTierConfig()
+    disk: DiskTierConfig = DiskTierConfig()
+    redis: RedisTierConfig = RedisTierConfig()
+    grpc: GrpcTierConfig = GrpcTierConfig()
+    store: StoreConfig = StoreConfig()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             overrides: Mapping[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> KVTierConfig:
+        """defaults < YAML ``path`` < environment (``os.environ`` unless given) < ``overrides``."""
+        merged: dict[str, Any] = {}
+        if path is not None:
+            _deep_merge(merged, _read_yaml(Path(path)))
+        _deep_merge(merged, env_to_dict(os.environ if env is None else env))
+        if overrides:
+            _deep_merge(merged, dict(overrides))
+        return from_dict(cls, merged)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVTierConfig:
+        return from_dict(cls, data)
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6,
+          "mb": 10**6, "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30,
+          "gi": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}
+
+
+def parse_size(value: Any, where: str = "size") -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{where}: {value!r} is not a byte size (e.g. 1048576, 512MiB, 4GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _coerce(f: dataclasses.Field[Any], tp: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, prefix=where + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if f.metadata.get("size"):
+            return parse_size(value, where)
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if typing.get_origin(tp) is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")
+
+
+def _validate(f: dataclasses.Field[Any], value: Any, where: str) -> None:
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {value!r} is not allowed; expected one of {', '.join(choices)}")
+    lo, hi = f.metadata.get("range", (None, None))
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        shown = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ConfigError(f"{where}: {value!r} is out of range {shown}")
+
+
+T = typing.TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a (nested) mapping; unknown keys are errors, not ignored."""
+    assert dataclasses.is_dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown setting; known: {', '.join(sorted(fields))}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        where = prefix + name
+        if name in data:
+            tp = hints[name]
+            if isinstance(tp, types.UnionType):
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            kwargs[name] = _coerce(f, tp, data[name], where)
+            _validate(f, kwargs[name], where)
+        elif f.default is not dataclasses.MISSING:
+            _validate(f, f.default, where)
+    return cls(**kwargs)
+
+
+def env_to_dict(env: Mapping[str, str], prefix: str = "KVTIER_") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(prefix):
+            continue
+        path = name[len(prefix):].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value

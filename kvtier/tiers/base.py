@@ -1,0 +1,186 @@
+"""The one contract every tier implements (memory, cpu, disk, redis, grpc, gpu).
+
+Batch-first verbs over 32-byte chunk keys; values are *encoded chunks* (``kvtier.chunk``
+bytes: header + payload), so every tier stores self-describing data.
+
+Ownership
+    ``put`` copies what it keeps: the caller may reuse ``Entry.data`` as soon as it returns.
+    ``get`` returns ``bytes`` the caller owns; ``get_into`` writes into caller-owned buffers
+    (the zero-allocation path) and returns how many bytes it wrote.
+Threads
+    Every method may be called from any thread; a tier serialises what needs serialising.
+    ``close`` must be the last call; calls after it raise ``RuntimeError``.
+Failure
+    A failing medium (dead node, timeout, torn file, full disk) never raises out of a verb:
+    a read returns :class:`Miss` with a reason, a write returns ``False`` and counts a drop.
+    Verbs raise only for caller bugs (``ValueError``: wrong key length, buffer too small).
+    Construction raises :class:`kvtier.errors.TierUnavailableError` when the tier cannot work
+    at all (unwritable directory, bad credentials) so that a misconfiguration shows at start.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvtier.codec import Buf
+from kvtier.keys import KEY_BYTES
+
+# Miss reasons: each is a metric label value (kvtier_lookup_miss_tokens_total{reason=...}).
+ABSENT = "absent"
+EVICTED = "evicted"
+EXPIRED = "expired"
+CORRUPT = "corrupt"
+TIMEOUT = "timeout"
+NODE_DOWN = "node_down"
+NAMESPACE_MISMATCH = "namespace_mismatch"
+LAYOUT_MISMATCH = "layout_mismatch"
+TOO_LARGE = "too_large"
+ERROR = "error"
+MISS_REASONS = (ABSENT, EVICTED, EXPIRED, CORRUPT, TIMEOUT, NODE_DOWN, NAMESPACE_MISMATCH,
+                LAYOUT_MISMATCH, TOO_LARGE, ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """A key a tier could not serve, and why."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Result of a prefix probe: ``hits`` leading keys present; ``reason`` why the run stopped
+    (``absent`` when it stopped at a key that is simply not there, or ran to the end)."""
+
+    hits: int
+    reason: str = ABSENT
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One chunk to store. ``depth`` is the chunk's index in its prefix and ``parent`` the
+    key of chunk ``depth - 1`` (``b""`` for the first chunk); policies may weigh both."""
+
+    key: bytes
+    data: Buf
+    depth: int = 0
+    parent: bytes = b""
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+
+
+EvictListener = Callable[[bytes, bytes], None]
+"""Called as ``listener(key, data)`` with a chunk a tier evicts (write-back hands it down).
+Runs on the thread that caused the eviction, with the tier's lock released or held as the
+tier documents; it must be quick and must not call back into the same tier."""
+
+
+@runtime_checkable
+class Tier(Protocol):
+    name: str
+
+    def probe(self, keys: Sequence[bytes]) -> Probe: ...
+
+    def contains(self, keys: Sequence[bytes]) -> int: ...
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]: ...
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]: ...
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def usage(self) -> TierUsage: ...
+
+    def check(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Raise ValueError unless every key is exactly KEY_BYTES bytes."""
+    for k in keys:
+        if len(k) != KEY_BYTES:
+            raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got one of {len(k)}")
+
+
+class TierBase:
+    """Shared plumbing: derived verbs, the closed flag, and the evicted-key memory that lets a
+    miss say ``evicted`` rather than ``absent``. Subclasses implement ``_probe``, ``get``,
+    ``put``, ``delete``, ``usage`` and optionally ``get_into`` and ``_close``."""
+
+    name = "tier"
+    _GHOSTS = 65536  # evicted keys remembered for miss labelling (32 B each: ~2 MiB)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._closed = False
+        self._ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self.evict_listener: EvictListener | None = None
+
+    # --- derived verbs -------------------------------------------------------------------
+    def probe(self, keys: Sequence[bytes]) -> Probe:
+        check_keys(keys)
+        self._check_open()
+        return self._probe(keys)
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        return self.probe(keys).hits
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
+        if len(keys) != len(outs):
+            raise ValueError(f"get_into got {len(keys)} keys and {len(outs)} buffers")
+        results: list[int | Miss] = []
+        for value, out in zip(self.get(keys), outs):
+            if isinstance(value, Miss):
+                results.append(value)
+                continue
+            if len(value) > out.nbytes:
+                raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {len(value)}-byte chunk")
+            out[: len(value)] = value
+            results.append(len(value))
+        return results
+
+    def check(self) -> list[str]:
+        """Invariant violations (empty when healthy); tests call it after every scenario."""
+        return []
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    # --- helpers for subclasses ------------------------------------------------------------
+    def _probe(self, keys: Sequence[bytes]) -> Probe:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"tier {self.name!r} is closed")
+
+    def _remember_evicted(self, key: bytes) -> None:
+        self._ghosts[key] = None
+        if len(self._ghosts) > self._GHOSTS:
+            self._ghosts.popitem(last=False)
+
+    def _forget_evicted(self, key: bytes) -> None:
+        self._ghosts.pop(key, None)
+
+    def _absent(self, key: bytes) -> Miss:
+        return Miss(EVICTED) if key in self._ghosts else Miss(ABSENT)
