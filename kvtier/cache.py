@@ -1,0 +1,153 @@
+"""PrefixCache: the namespace-bound face of the store that engine connectors use.
+
+It turns token ids into chained chunk keys, K/V payload bytes into self-describing chunks and
+back, and refuses any chunk whose namespace, key, dtype, shape or checksum is not exactly what
+this engine would compute (a wrong chunk is a wrong answer). Payload layout of a chunk:
+``(layers, kv, tokens, kv_heads, head_dim)``, C-contiguous, in ``spec.kv_dtype``.
+
+Engine-agnostic: payloads are bytes-like (numpy/torch conversion happens in connectors).
+Threads: safe to call from any thread (the store is); ``save`` may run on an engine thread
+since the store never blocks on lower tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.chunk import Shape, decode_chunk, encode_chunk
+from kvtier.codec import Buf, Codec
+from kvtier.config import KVTierConfig
+from kvtier.errors import ChunkError
+from kvtier.keys import NamespaceSpec, chunk_keys, chunk_spans
+from kvtier.metrics import Metrics
+from kvtier.store import TieredStore
+from kvtier.tiers.base import ABSENT, Entry
+
+log = logging.getLogger(__name__)
+
+Tokens = Sequence[int] | np.ndarray
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    tokens: int
+    chunks: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+    reason: str = ABSENT
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    """``payloads[i]`` holds chunk i's raw K/V bytes of shape ``shapes[i]``; ``tokens`` is the
+    number of prompt tokens they cover (0 on a miss)."""
+
+    tokens: int
+    payloads: list[Buf]
+    shapes: list[Shape]
+    per_tier: dict[str, int] = field(default_factory=dict)
+    reason: str = ABSENT
+
+
+class PrefixCache:
+    def __init__(self, store: TieredStore, spec: NamespaceSpec, *, codec: str | Codec = "raw",
+                 shuffle: bool = False, tenant: str = "") -> None:
+        self.store = store
+        self.spec = spec
+        self.namespace = spec.namespace_id()
+        self.codec = Codec.parse(codec)
+        self.shuffle = shuffle
+        self.tenant = tenant
+        self.metrics: Metrics = store.metrics
+
+    @classmethod
+    def open(cls, cfg: KVTierConfig, spec: NamespaceSpec, metrics: Metrics | None = None) -> PrefixCache:
+        """Build the store from ``cfg`` (tiers, write policy) and bind it to ``spec``."""
+        return cls(TieredStore.from_config(cfg, metrics), spec, codec=cfg.codec,
+                   shuffle=cfg.shuffle, tenant=cfg.tenant)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.spec.layout.chunk_tokens
+
+    def keys(self, tokens: Tokens, *, full_chunks_only: bool = False) -> list[bytes]:
+        return chunk_keys(self.namespace, tokens, self.chunk_tokens, self.spec.hash_name,
+                          include_partial=not full_chunks_only)
+
+    def lookup(self, tokens: Tokens, *, full_chunks_only: bool = False) -> PrefixHit:
+        keys = self.keys(tokens, full_chunks_only=full_chunks_only)
+        res = self.store.lookup(keys)
+        spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
+        hit_tokens = spans[res.hits - 1][1] if res.hits else 0
+        self._count(res.runs, spans, hit_tokens, len(tokens), res.reason)
+        return PrefixHit(hit_tokens, res.hits, res.per_tier, res.reason)
+
+    def load(self, tokens: Tokens, *, max_tokens: int | None = None,
+             full_chunks_only: bool = False) -> LoadedPrefix:
+        """Load and verify the leading cached chunks (at most ``max_tokens`` tokens' worth)."""
+        keys = self.keys(tokens, full_chunks_only=full_chunks_only)
+        spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
+        if max_tokens is not None:
+            n = sum(1 for _, end in spans if end <= max_tokens)
+            keys, spans = keys[:n], spans[:n]
+        res = self.store.load(keys)
+        payloads: list[Buf] = []
+        shapes: list[Shape] = []
+        reason = res.reason
+        for i, data in enumerate(res.chunks):
+            start, end = spans[i]
+            shape = self.spec.layout.chunk_shape(end - start)
+            try:
+                chunk = decode_chunk(data, namespace=self.namespace, key=keys[i],
+                                     dtype=self.spec.kv_dtype, shape=shape)
+            except ChunkError as exc:
+                log.warning("refusing chunk %d (%s): %s", i, keys[i].hex()[:16], exc)
+                self.metrics.chunk_errors.labels(exc.reason).inc()
+                self.store.delete(keys[i:i + 1])
+                reason = exc.reason
+                break
+            payloads.append(chunk.payload)
+            shapes.append(shape)
+        hit_tokens = spans[len(payloads) - 1][1] if payloads else 0
+        per_tier: dict[str, int] = {}
+        for name in res.sources[: len(payloads)]:
+            per_tier[name] = per_tier.get(name, 0) + 1
+        return LoadedPrefix(hit_tokens, payloads, shapes, per_tier,
+                            reason if len(payloads) < len(keys) else ABSENT)
+
+    def save(self, tokens: Tokens, payload_for: Callable[[int, int], Buf], *,
+             start_chunk: int = 0, full_chunks_only: bool = False) -> int:
+        """Store every chunk of ``tokens`` from ``start_chunk`` on that is not cached yet.
+
+        ``payload_for(start, end)`` must return the raw K/V bytes of tokens [start, end) in
+        chunk layout; it is called only for chunks that are missing. Returns #chunks stored.
+        """
+        keys = self.keys(tokens, full_chunks_only=full_chunks_only)
+        spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
+        first = max(start_chunk, self.store.lookup(keys).hits)
+        entries: list[Entry] = []
+        for i in range(first, len(keys)):
+            start, end = spans[i]
+            shape = self.spec.layout.chunk_shape(end - start)
+            data = encode_chunk(self.namespace, keys[i], self.spec.kv_dtype, shape,
+                                payload_for(start, end), codec=self.codec, shuffle=self.shuffle)
+            entries.append(Entry(keys[i], data, i, keys[i - 1] if i else b""))
+        return self.store.store(entries)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _count(self, runs: tuple[tuple[str, int], ...], spans: list[tuple[int, int]],
+               hit_tokens: int, total: int, reason: str) -> None:
+        m, tenant = self.metrics, self.tenant
+        m.lookups.labels(tenant).inc()
+        pos = 0
+        for name, n in runs:
+            m.hit_tokens.labels(name, tenant).inc(sum(e - s for s, e in spans[pos:pos + n]))
+            pos += n
+        if total > hit_tokens:
+            m.miss_tokens.labels(reason, tenant).inc(total - hit_tokens)
+

@@ -1,0 +1,265 @@
+"""TieredStore: lookup / load / store across an ordered list of tiers (fastest first).
+
+- lookup: the longest run of leading keys present in *some* tier, local tiers first; one
+  probe per tier in the usual case (another pass only when a lower tier filled a gap).
+- load: fetch that run, each chunk from the highest tier holding it; chunks served by a lower
+  tier are promoted into the tiers above it (``promote_on_load``).
+- store: write-through into tier 0 on the caller's thread (a memcpy for cpu), then cascade to
+  the tiers below through a bounded queue served by one writer thread. When the queue is full
+  the batch is dropped and counted: the caller (the engine) is never blocked.
+  Write policies: ``write_through`` cascades every chunk; ``write_through_selective`` only
+  chunks loaded ``selective_min_hits`` times; ``write_back`` cascades a chunk when tier i evicts it.
+
+Threads: every public method may be called from any thread. ``close`` flushes the queue.
+Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config import KVTierConfig, StoreConfig
+from kvtier.metrics import Metrics
+from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier
+
+log = logging.getLogger(__name__)
+
+# How a run-stopping reason ranks when tiers disagree: the most informative one wins.
+_REASON_RANK = {ABSENT: 0, EVICTED: 1}
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """``hits`` leading keys are present; ``runs`` says which tier holds them, in order, as
+    (tier name, count) pairs; ``reason`` is why the run stopped."""
+
+    hits: int
+    runs: tuple[tuple[str, int], ...] = ()
+    reason: str = ABSENT
+
+    @property
+    def per_tier(self) -> dict[str, int]:
+        out: Tally[str] = Tally()
+        for name, n in self.runs:
+            out[name] += n
+        return dict(out)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The leading run of chunk bytes; ``sources[i]`` names the tier that served chunk i."""
+
+    chunks: list[bytes]
+    sources: list[str] = field(default_factory=list)
+    reason: str = ABSENT
+
+    @property
+    def per_tier(self) -> dict[str, int]:
+        return dict(Tally(self.sources))
+
+
+_STOP = object()
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig = StoreConfig(),
+                 metrics: Metrics | None = None) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=config.queue_depth)
+        self._hits: Tally[bytes] = Tally()
+        self._hits_lock = threading.Lock()
+        self._closed = False
+        for level, tier in enumerate(self.tiers):
+            tier.evict_listener = self._make_evict_listener(level)
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-writer", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def from_config(cls, cfg: KVTierConfig, metrics: Metrics | None = None) -> TieredStore:
+        from kvtier.tiers.factory import build_tiers
+
+        return cls(build_tiers(cfg), cfg.store, metrics)
+
+    # --- lookup / load -------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        t0 = time.perf_counter()
+        pos, runs, reason = 0, list[tuple[str, int]](), ABSENT
+        progress = True
+        while progress and pos < len(keys):
+            progress = False
+            for tier in self.tiers:
+                if pos >= len(keys):
+                    break
+                probe = tier.probe(keys[pos:])
+                if probe.hits:
+                    runs.append((tier.name, probe.hits))
+                    self.metrics.hit_chunks.labels(tier.name).inc(probe.hits)
+                    pos += probe.hits
+                    progress = True
+                    reason = ABSENT
+                if pos < len(keys) and _REASON_RANK.get(probe.reason, 2) > _REASON_RANK.get(reason, 2):
+                    reason = probe.reason
+        self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
+        return LookupResult(pos, tuple(runs), reason if pos < len(keys) else ABSENT)
+
+    def load(self, keys: Sequence[bytes]) -> LoadResult:
+        """The leading run of chunk bytes for ``keys`` (shorter when a chunk is missing)."""
+        t0 = time.perf_counter()
+        found: list[bytes | None] = [None] * len(keys)
+        source: list[int] = [-1] * len(keys)
+        reason = ABSENT
+        for level, tier in enumerate(self.tiers):
+            want = [i for i in range(len(keys)) if found[i] is None]
+            # Only the part before the first gap that no earlier tier filled can extend the run.
+            if not want:
+                break
+            values = tier.get([keys[i] for i in want])
+            for i, value in zip(want, values):
+                if isinstance(value, Miss):
+                    if _REASON_RANK.get(value.reason, 2) > _REASON_RANK.get(reason, 2):
+                        reason = value.reason
+                    continue
+                found[i], source[i] = value, level
+                self.metrics.bytes_read.labels(tier.name).inc(len(value))
+        run: list[bytes] = []
+        for value in found:
+            if value is None:
+                break
+            run.append(value)
+        sources = [self.tiers[source[i]].name for i in range(len(run))]
+        self._after_load(keys, run, source)
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+        return LoadResult(run, sources, reason if len(run) < len(keys) else ABSENT)
+
+    def _after_load(self, keys: Sequence[bytes], run: list[bytes], source: list[int]) -> None:
+        if self.config.promote_on_load:
+            for level in range(1, len(self.tiers)):
+                served = [Entry(keys[i], run[i], i) for i in range(len(run)) if source[i] == level]
+                if not served:
+                    continue
+                for upper in self.tiers[:level]:
+                    upper.put(served)
+                    self.metrics.promotions.labels(upper.name).inc(len(served))
+        if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
+            due: list[Entry] = []
+            with self._hits_lock:
+                for i, data in enumerate(run):
+                    self._hits[keys[i]] += 1
+                    if self._hits[keys[i]] == self.config.selective_min_hits:
+                        due.append(Entry(keys[i], data, i))
+            if due:
+                self._enqueue(due, 1)
+
+    # --- store ---------------------------------------------------------------------------
+    def store(self, entries: Sequence[Entry]) -> int:
+        """Write-through to tier 0 now, cascade below later. Takes ownership of ``entry.data``:
+        the caller must not modify those buffers afterwards. Returns #chunks tier 0 accepted."""
+        if self._closed:
+            raise RuntimeError("TieredStore is closed")
+        if not entries:
+            return 0
+        t0 = time.perf_counter()
+        top = self.tiers[0]
+        ok = top.put(entries)
+        accepted = sum(ok)
+        self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
+        if accepted < len(entries):
+            self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
+        self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        if len(self.tiers) > 1 and self.config.write_policy == "write_through":
+            self._enqueue(list(entries), 1)
+        return accepted
+
+    def _enqueue(self, entries: list[Entry], level: int) -> None:
+        try:
+            self._queue.put_nowait((entries, level))
+        except queue.Full:
+            self.metrics.dropped_writes.labels(self.tiers[level].name, "queue_full").inc(len(entries))
+            return
+        self.metrics.queue_depth.set(self._queue.qsize())
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                entries, level = item  # type: ignore[misc]
+                self._write_down(entries, level)
+            finally:
+                self._queue.task_done()
+                self.metrics.queue_depth.set(self._queue.qsize())
+
+    def _write_down(self, entries: list[Entry], level: int) -> None:
+        cascade = self.config.write_policy == "write_through"
+        for tier in self.tiers[level:]:
+            ok = tier.put(entries)
+            written = sum(len(e.data) for e, k in zip(entries, ok) if k)
+            self.metrics.bytes_written.labels(tier.name).inc(written)
+            if not all(ok):
+                self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
+            if not cascade:
+                return
+
+    def _make_evict_listener(self, level: int):  # type: ignore[no-untyped-def]
+        name = self.tiers[level].name
+
+        def on_evict(key: bytes, data: bytes) -> None:
+            self.metrics.evictions.labels(name, "capacity").inc()
+            if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
+                self._enqueue([Entry(key, data)], level + 1)
+
+        return on_evict
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys`` from every tier (e.g. a chunk that failed verification)."""
+        return sum(tier.delete(keys) for tier in self.tiers)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the write-behind queue is empty; False if ``timeout_s`` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for tier in self.tiers:
+            u = tier.usage()
+            self.metrics.used_bytes.labels(tier.name).set(u.used_bytes)
+            self.metrics.capacity_bytes.labels(tier.name).set(u.capacity_bytes)
+            self.metrics.entries.labels(tier.name).set(u.entries)
+            out[tier.name] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
+                              "entries": u.entries}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._writer.join()
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,114 @@
+"""Chunk format and codecs: round trips, every refusal reason, and a fuzzed decoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.chunk import HEADER_SIZE, decode_chunk, decode_header, encode_chunk
+from kvtier.codec import Codec, compress, decompress, shuffle, unshuffle
+from kvtier.errors import ChunkError
+
+NS, KEY = b"n" * 32, b"k" * 32
+SHAPE = (2, 2, 16, 2, 8)
+
+
+def _payload(dtype: str = "float16", seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(SHAPE))
+    if dtype == "float32":
+        return rng.standard_normal(n).astype(np.float32).tobytes()
+    return rng.standard_normal(n).astype(np.float16).tobytes()
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4", "zstd"])
+@pytest.mark.parametrize("shuf", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_round_trip(codec: str, shuf: bool, dtype: str) -> None:
+    payload = _payload("float32" if dtype == "float32" else "float16")
+    data = encode_chunk(NS, KEY, dtype, SHAPE, payload, codec=codec, shuffle=shuf)
+    chunk = decode_chunk(data, namespace=NS, key=KEY, dtype=dtype, shape=SHAPE)
+    assert bytes(chunk.payload) == payload
+    assert chunk.header.codec == Codec.parse(codec) and chunk.header.shuffled == shuf
+
+
+def test_shuffle_inverts() -> None:
+    data = _payload()
+    assert unshuffle(shuffle(data, 2), 2) == data
+    assert decompress(Codec.LZ4, compress(Codec.LZ4, data, shuffle_itemsize=2), len(data),
+                      shuffle_itemsize=2) == data
+
+
+def _encoded() -> bytearray:
+    return encode_chunk(NS, KEY, "float16", SHAPE, _payload())
+
+
+@pytest.mark.parametrize("expect, reason", [
+    (dict(namespace=b"x" * 32), "namespace_mismatch"),
+    (dict(key=b"x" * 32), "key_mismatch"),
+    (dict(dtype="bfloat16"), "layout_mismatch"),
+    (dict(shape=(2, 2, 8, 2, 8)), "layout_mismatch"),
+])
+def test_foreign_chunks_are_refused(expect: dict, reason: str) -> None:
+    with pytest.raises(ChunkError) as err:
+        decode_chunk(_encoded(), **expect)
+    assert err.value.reason == reason
+
+
+def test_truncated_and_flipped_chunks_are_refused() -> None:
+    data = _encoded()
+    with pytest.raises(ChunkError) as err:
+        decode_chunk(data[:-1])
+    assert err.value.reason == "truncated"
+    with pytest.raises(ChunkError) as err:
+        decode_chunk(data[:50])
+    assert err.value.reason == "truncated"
+    for pos in (0, 5, 20, 70, 100, 119, 125, HEADER_SIZE + 3, len(data) - 1):
+        bad = bytearray(data)
+        bad[pos] ^= 0x10
+        with pytest.raises(ChunkError):
+            decode_chunk(bad)
+
+
+def test_padding_after_payload_is_ignored() -> None:
+    data = _encoded() + b"\0" * 4000
+    assert bytes(decode_chunk(data).payload) == _payload()
+
+
+def test_wrong_payload_size_is_refused_at_encode() -> None:
+    with pytest.raises(ChunkError) as err:
+        encode_chunk(NS, KEY, "float16", SHAPE, _payload()[:-2])
+    assert err.value.reason == "layout_mismatch"
+    with pytest.raises(ValueError, match="dtype"):
+        encode_chunk(NS, KEY, "float64", SHAPE, _payload())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_decoder_fuzz_random_bytes(data: bytes) -> None:
+    try:
+        decode_chunk(data)
+    except ChunkError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2 * HEADER_SIZE), st.integers(1, 255)), min_size=1, max_size=4),
+       st.sampled_from(["raw", "lz4", "zstd"]))
+def test_decoder_fuzz_mutations(flips: list[tuple[int, int]], codec: str) -> None:
+    good = encode_chunk(NS, KEY, "float16", SHAPE, _payload(), codec=codec, shuffle=True)
+    bad = bytearray(good)
+    for pos, mask in flips:
+        bad[pos % len(bad)] ^= mask
+    try:
+        chunk = decode_chunk(bad)
+    except ChunkError:
+        return
+    assert bytes(chunk.payload) == _payload()  # if it decodes at all, it decodes to the truth
+
+
+def test_header_alone_parses() -> None:
+    h = decode_header(_encoded())
+    assert h.shape == SHAPE and h.tokens == 16 and h.nbytes == HEADER_SIZE + h.payload_len

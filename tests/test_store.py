@@ -1,0 +1,212 @@
+"""TieredStore and PrefixCache semantics over in-process tiers (no timing assertions)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from kvtier.cache import PrefixCache
+from kvtier.chunk import encode_chunk
+from kvtier.config import StoreConfig
+from kvtier.keys import KVLayout, NamespaceSpec
+from kvtier.store import TieredStore
+from kvtier.tiers.base import Entry
+from kvtier.tiers.memory import MemoryTier
+
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, chunk_tokens=4)
+SPEC = NamespaceSpec("test-model", LAY)
+
+
+class BlockingTier(MemoryTier):
+    """A tier whose writes wait until released: stands in for a stalled remote node."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1 << 30, name=name)
+        self.release = threading.Event()
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]:
+        self.release.wait(10)
+        return super().put(entries)
+
+
+def _kv(tokens: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 2, tokens, 2, 4)).astype(np.float16)
+
+
+def _payload_fn(kv: np.ndarray):  # type: ignore[no-untyped-def]
+    return lambda s, e: np.ascontiguousarray(kv[:, :, s:e]).tobytes()
+
+
+def _join(loaded) -> np.ndarray:  # type: ignore[no-untyped-def]
+    parts = [np.frombuffer(p, np.float16).reshape(s) for p, s in zip(loaded.payloads, loaded.shapes)]
+    return np.concatenate(parts, axis=2)
+
+
+def _entries(n: int, size: int = 100) -> tuple[list[bytes], list[Entry]]:
+    keys = [bytes([i]) * 32 for i in range(1, n + 1)]
+    return keys, [Entry(k, bytes([i]) * size, i) for i, k in enumerate(keys)]
+
+
+def test_lookup_counts_leading_run_across_tiers_and_fills_gaps() -> None:
+    a, b = MemoryTier(name="a"), MemoryTier(name="b")
+    keys, entries = _entries(5)
+    a.put([entries[0], entries[2]])
+    b.put([entries[1], entries[3]])
+    with TieredStore([a, b]) as store:
+        res = store.lookup(keys)
+        assert res.hits == 4 and res.per_tier == {"a": 2, "b": 2}
+        assert [name for name, _ in res.runs] == ["a", "b", "a", "b"]
+        assert store.lookup(keys[1:]).hits == 3 and store.lookup([keys[4]]).hits == 0
+
+
+def test_load_promotes_into_upper_tiers_unless_disabled() -> None:
+    for promote in (True, False):
+        a, b = MemoryTier(name="a"), MemoryTier(name="b")
+        keys, entries = _entries(3)
+        b.put(entries)
+        with TieredStore([a, b], StoreConfig(promote_on_load=promote)) as store:
+            res = store.load(keys)
+            assert res.chunks == [e.data for e in entries] and res.sources == ["b"] * 3
+            assert a.contains(keys) == (3 if promote else 0)
+
+
+def test_write_through_cascades_and_flush_waits() -> None:
+    a, b, c = MemoryTier(name="a"), MemoryTier(name="b"), MemoryTier(name="c")
+    keys, entries = _entries(4)
+    with TieredStore([a, b, c]) as store:
+        assert store.store(entries) == 4
+        assert store.flush(5)
+        assert a.contains(keys) == b.contains(keys) == c.contains(keys) == 4
+
+
+def test_full_queue_drops_writes_and_never_blocks_the_caller() -> None:
+    a, slow = MemoryTier(name="a"), BlockingTier("slow")
+    with TieredStore([a, slow], StoreConfig(queue_depth=2)) as store:
+        for i in range(10):
+            keys, entries = _entries(1)
+            store.store([Entry(bytes([i + 1]) * 32, b"x" * 10)])  # returns at once even though slow is stuck
+        dropped = store.metrics.registry.get_sample_value(
+            "kvtier_store_dropped_writes_total", {"tier": "slow", "reason": "queue_full"})
+        assert dropped is not None and dropped >= 7
+        slow.release.set()
+        assert store.flush(10)
+        assert 1 <= slow.usage().entries <= 3
+        assert a.usage().entries == 10
+
+
+def test_write_back_cascades_only_on_eviction() -> None:
+    a, b = MemoryTier(capacity_bytes=250, name="a"), MemoryTier(name="b")
+    keys, entries = _entries(3)
+    with TieredStore([a, b], StoreConfig(write_policy="write_back")) as store:
+        store.store(entries[:2])
+        store.flush(5)
+        assert b.usage().entries == 0
+        store.store(entries[2:])  # evicts the LRU chunk of a into b
+        store.flush(5)
+        assert b.contains([keys[0]]) == 1 and store.lookup(keys).hits == 3
+        evictions = store.metrics.registry.get_sample_value(
+            "kvtier_evictions_total", {"tier": "a", "reason": "capacity"})
+        assert evictions == 1
+
+
+def test_write_through_selective_waits_for_hits() -> None:
+    a, b = MemoryTier(name="a"), MemoryTier(name="b")
+    keys, entries = _entries(2)
+    cfg = StoreConfig(write_policy="write_through_selective", selective_min_hits=2)
+    with TieredStore([a, b], cfg) as store:
+        store.store(entries)
+        store.load(keys)
+        store.flush(5)
+        assert b.usage().entries == 0
+        store.load(keys)
+        store.flush(5)
+        assert b.contains(keys) == 2
+
+
+def test_evicted_miss_reason() -> None:
+    a = MemoryTier(capacity_bytes=150, name="a")
+    keys, entries = _entries(2)
+    with TieredStore([a]) as store:
+        store.store(entries)
+        res = store.lookup(keys)
+        assert res.hits == 0 and res.reason == "evicted"
+        assert store.lookup([b"\xee" * 32]).reason == "absent"
+
+
+def test_prefix_cache_round_trip_and_partial_chunk() -> None:
+    with TieredStore([MemoryTier(name="a"), MemoryTier(name="b")]) as store:
+        cache = PrefixCache(store, SPEC)
+        tokens, kv = np.arange(10), _kv(10)
+        assert cache.save(tokens, _payload_fn(kv)) == 3
+        assert cache.save(tokens, _payload_fn(kv)) == 0  # already cached: nothing re-encoded
+        hit = cache.lookup(tokens)
+        assert (hit.tokens, hit.chunks) == (10, 3)
+        loaded = cache.load(tokens)
+        assert loaded.tokens == 10 and np.array_equal(_join(loaded), kv)
+        longer = np.concatenate([tokens[:8], [77, 78, 79]])
+        assert cache.lookup(longer).tokens == 8  # partial tails match only the same tokens
+        assert cache.load(tokens, max_tokens=9).tokens == 8
+        m = store.metrics.registry.get_sample_value
+        assert m("kvtier_lookup_hit_tokens_total", {"tier": "a", "tenant": ""}) == 18
+        assert m("kvtier_lookup_miss_tokens_total", {"reason": "absent", "tenant": ""}) == 3
+
+
+def test_corrupt_chunk_ends_the_run_is_counted_and_dropped() -> None:
+    a = MemoryTier(name="a")
+    with TieredStore([a]) as store:
+        cache = PrefixCache(store, SPEC)
+        tokens, kv = np.arange(12), _kv(12)
+        cache.save(tokens, _payload_fn(kv))
+        keys = cache.keys(tokens)
+        bad = bytearray(a.get([keys[1]])[0])  # type: ignore[arg-type]
+        bad[-1] ^= 1
+        a.put([Entry(keys[1], bytes(bad))])
+        loaded = cache.load(tokens)
+        assert loaded.tokens == 4 and loaded.reason == "corrupt"
+        assert np.array_equal(_join(loaded), kv[:, :, :4])
+        assert a.contains([keys[1]]) == 0
+        assert store.metrics.registry.get_sample_value("kvtier_chunk_errors_total", {"reason": "corrupt"}) == 1
+
+
+@pytest.mark.parametrize("other", [
+    NamespaceSpec("other-model", LAY),
+    NamespaceSpec("test-model", LAY, kv_dtype="bfloat16"),
+    NamespaceSpec("test-model", LAY, salt=b"tenant-b"),
+])
+def test_foreign_namespace_never_hits_and_forged_chunks_are_refused(other: NamespaceSpec) -> None:
+    with TieredStore([MemoryTier(name="a")]) as store:
+        mine, theirs = PrefixCache(store, SPEC), PrefixCache(store, other)
+        tokens, kv = np.arange(8), _kv(8)
+        theirs.save(tokens, _payload_fn(kv))
+        assert mine.lookup(tokens).tokens == 0
+        # Forge: their bytes planted under my key must still be refused by the decoder.
+        key = mine.keys(tokens)[0]
+        data = theirs.store.load(theirs.keys(tokens)[:1]).chunks[0]
+        store.tiers[0].put([Entry(key, data)])
+        loaded = mine.load(tokens)
+        assert loaded.tokens == 0 and loaded.reason in ("namespace_mismatch", "key_mismatch")
+
+
+def test_wrong_layout_chunk_is_refused() -> None:
+    with TieredStore([MemoryTier(name="a")]) as store:
+        cache = PrefixCache(store, SPEC)
+        tokens = np.arange(4)
+        key = cache.keys(tokens)[0]
+        wrong = encode_chunk(cache.namespace, key, "float16", (2, 2, 4, 1, 8), b"\0" * 256)
+        store.store([Entry(key, wrong)])
+        loaded = cache.load(tokens)
+        assert loaded.tokens == 0 and loaded.reason == "layout_mismatch"
+
+
+def test_store_after_close_raises_and_metrics_render() -> None:
+    store = TieredStore([MemoryTier(name="a")])
+    store.store(_entries(1)[1])
+    store.stats()
+    text = store.metrics.exposition().decode()
+    assert "kvtier_tier_used_bytes" in text and "kvtier_store_queue_depth" in text
+    store.close()
+    with pytest.raises(RuntimeError):
+        store.store(_entries(1)[1])
