@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.policy import DEFAULT_POLICY
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -41,7 +42,7 @@ class CpuTierConfig:
     enabled: bool = True
     capacity_bytes: int = field(default=1 * GiB, metadata=_rng(1 * MiB, None, size=True))
     slot_bytes: int = field(default=4 * MiB, metadata=_rng(4096, 1 * GiB, size=True))
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     pin_memory: str = field(default="auto", metadata=_one_of("auto", "always", "never"))
 
 
@@ -52,7 +53,7 @@ class DiskTierConfig:
     enabled: bool = False
     path: str = "~/.cache/kvtier/disk"
     capacity_bytes: int = field(default=16 * GiB, metadata=_rng(1 * MiB, None, size=True))
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     o_direct: bool = True
 
 
@@ -66,11 +67,35 @@ class RedisTierConfig:
     ttl_s: int = field(default=0, metadata=_rng(0, None))
     timeout_s: float = field(default=1.0, metadata=_rng(0.001, 600))
     max_value_bytes: int = field(default=64 * MiB, metadata=_rng(1024, 512 * MiB, size=True))
+    # ACL credentials; when set they override the user/password given in ``url``.
+    username: str = ""
+    password: str = ""
+    password_file: str = ""
+    # TLS (rediss:// and rediss+cluster://): CA bundle, optional client cert/key for mTLS.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_verify: bool = True
+    # False: an unreachable Redis at start raises TierUnavailableError; True: start anyway,
+    # serve misses, and connect when it comes up.
+    lazy_connect: bool = False
+    # A node that fails is skipped (instant node_down misses) and re-pinged in the
+    # background after backoff_s, doubling up to backoff_max_s while it stays down.
+    backoff_s: float = field(default=0.5, metadata=_rng(0.01, 600))
+    backoff_max_s: float = field(default=10.0, metadata=_rng(0.01, 3600))
 
 
 @dataclass(frozen=True)
 class GrpcTierConfig:
-    """Client of kvtier-server nodes (``host:port`` each); see docs/server.md."""
+    """Client of kvtier-server nodes (``host:port`` each); see docs/server.md.
+
+    Chunks go to ``replication`` nodes chosen by rendezvous hashing; every verb finishes within
+    ``timeout_s``; a failing node is skipped (its chunks miss with reason ``node_down``) and
+    probed again after ``backoff_s``, doubling up to ``backoff_max_s``. TLS is on when ``tls``
+    or ``tls_ca`` is set (``tls_cert``/``tls_key``: client certificate for mutual TLS).
+    ``data_path``: how chunk bytes travel; ``auto`` takes the fastest the node advertises
+    (``socket``: length-prefixed frames on the node's data port) and falls back to ``grpc``.
+    """
 
     enabled: bool = False
     nodes: tuple[str, ...] = ()
@@ -78,10 +103,16 @@ class GrpcTierConfig:
     timeout_s: float = field(default=2.0, metadata=_rng(0.001, 600))
     token: str = ""
     token_file: str = ""
+    tls: bool = False
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
-    data_path: str = field(default="auto", metadata=_one_of("auto", "grpc", "socket", "shm"))
+    tls_server_name: str = ""
+    data_path: str = field(default="auto", metadata=_one_of("auto", "grpc", "socket"))
+    backoff_s: float = field(default=0.25, metadata=_rng(0.001, 60))
+    backoff_max_s: float = field(default=10.0, metadata=_rng(0.01, 3600))
+    max_message_bytes: int = field(default=64 * MiB, metadata=_rng(1 * MiB, 1 * GiB, size=True))
+    connections: int = field(default=4, metadata=_rng(1, 256))
 
 
 @dataclass(frozen=True)

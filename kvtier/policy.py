@@ -1,55 +1,49 @@
 """Eviction policies: pure bookkeeping, no I/O, no locks (the owning tier serialises calls).
 
 A policy tracks keys and picks victims; it never sees bytes. Every policy supports pinning:
-a pinned key is never chosen as a victim (hot system prompts).
+a pinned key is never chosen as a victim (hot system prompts). The full contract is in
+:mod:`kvtier.policies.base`; this module is the registry every tier builds its policy from.
+
+Policies (hit ratios on the replayed Mooncake trace: ``python bench/replay.py``):
+- ``prefix`` (default): prefix-aware, leaf-first, ranked by recency and mean reuse gap, with a
+  ghost history (:mod:`kvtier.policies.prefix`).
+- ``s3fifo``: S3-FIFO (:mod:`kvtier.policies.s3fifo`).
+- ``lru``: least recently used, the baseline every other policy is measured against.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
 
+from kvtier.policies.base import EvictionPolicy, NothingToEvict
+from kvtier.policies.prefix import PrefixPolicy
+from kvtier.policies.s3fifo import S3FIFOPolicy
 
-class NothingToEvict(Exception):
-    """Every tracked key is pinned (or nothing is tracked): no victim can be chosen."""
-
-
-class EvictionPolicy(Protocol):
-    name: str
-
-    def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
-        """Start tracking ``key`` (re-inserting a tracked key counts as an access)."""
-
-    def access(self, key: bytes) -> None:
-        """``key`` was read; unknown keys are ignored."""
-
-    def remove(self, key: bytes) -> None:
-        """Stop tracking ``key`` (deleted by the user); unknown keys are ignored."""
-
-    def evict(self) -> bytes:
-        """Choose a victim, stop tracking it and return it; raise NothingToEvict if none."""
-
-    def pin(self, key: bytes) -> None:
-        """Never evict ``key`` until unpinned (pinning an untracked key is remembered)."""
-
-    def unpin(self, key: bytes) -> None: ...
-
-    def __contains__(self, key: object) -> bool: ...
-
-    def __len__(self) -> int: ...
+__all__ = [
+    "DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
+    "PrefixPolicy", "S3FIFOPolicy", "make_policy",
+]
 
 
 class LRUPolicy:
-    """Least recently used; the baseline every other policy is measured against."""
+    """Least recently used; the baseline every other policy is measured against.
+
+    Pinned keys are held outside the recency order (so ``evict`` never walks over them);
+    unpinning a key counts as a use of it.
+    """
 
     name = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._order: OrderedDict[bytes, None] = OrderedDict()  # unpinned keys, oldest first
+        self._held: set[bytes] = set()  # tracked and pinned
         self._pinned: set[bytes] = set()
 
     def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
+        if key in self._pinned:
+            self._held.add(key)
+            return
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -59,29 +53,39 @@ class LRUPolicy:
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
+        self._held.discard(key)
 
     def evict(self) -> bytes:
-        for key in self._order:
-            if key not in self._pinned:
-                del self._order[key]
-                return key
-        raise NothingToEvict("every tracked key is pinned")
+        if not self._order:
+            raise NothingToEvict("every tracked key is pinned")
+        key, _ = self._order.popitem(last=False)
+        return key
 
     def pin(self, key: bytes) -> None:
         self._pinned.add(key)
+        if key in self._order:
+            del self._order[key]
+            self._held.add(key)
 
     def unpin(self, key: bytes) -> None:
         self._pinned.discard(key)
+        if key in self._held:
+            self._held.discard(key)
+            self._order[key] = None
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or key in self._held
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._held)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
-DEFAULT_POLICY = "lru"
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "prefix": PrefixPolicy,
+}
+DEFAULT_POLICY = "prefix"
 
 
 def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.policy import EvictionPolicy, NothingToEvict, make_policy
+from kvtier.policy import DEFAULT_POLICY, EvictionPolicy, NothingToEvict, make_policy
 from kvtier.tiers.base import Entry, Miss, Probe, TierBase, TierUsage, check_keys
 
 
 class MemoryTier(TierBase):
-    def __init__(self, capacity_bytes: int = 1 << 30, policy: EvictionPolicy | str = "lru",
+    def __init__(self, capacity_bytes: int = 1 << 30, policy: EvictionPolicy | str = DEFAULT_POLICY,
                  name: str = "memory") -> None:
         super().__init__()
         if capacity_bytes < 1:

@@ -1,0 +1,1 @@
+"""Eviction policies beyond the LRU baseline; import them through :mod:`kvtier.policy`."""

@@ -1,0 +1,229 @@
+"""Prefix-aware reuse-interval eviction (``"prefix"``), the default policy.
+
+Why not LRU. A lookup counts only the *leading* run of chunk hits, so a chunk is worth keeping
+only while its whole prefix is kept, and the deepest chunk of a prefix is the one to give up
+first. In replayed traces (``bench/replay.py`` on the Mooncake trace) most chunks are read once,
+while prefixes that are re-read come back after gaps several times the cache size: recency
+alone keeps the wrong chunks, and so does raw frequency (popularity drifts).
+
+The rules, each measured on that replay (see the bench's table for the figures):
+
+1. **Leaf first.** Only a chunk with no tracked, unpinned child is a candidate. A prefix is
+   trimmed from its tail, so what is left of it still hits; an ancestor goes only once its
+   descendants are gone (children are counted by the ``parent`` key given to ``insert``).
+2. **Rank** (lowest evicted first), fixed when a key is touched, so a heap orders candidates:
+   - seen once: ``last - single_penalty``: every once-seen chunk goes before any re-used one,
+     oldest first (scan resistance: a flood of new prompts cannot flush the re-used set);
+   - seen ``c >= 2`` times: ``last - beta * (last - first) / (c - 1)``, the last use moved back
+     by a fraction of the mean reuse gap. Between LRU (``beta = 0``) and LRU-2 (``beta`` ~ 1):
+     a chunk reused at short intervals outranks one reused rarely, and both age with the clock.
+3. **History outlives residency.** When a key leaves (evicted or removed) its first-use time and
+   count go to a bounded FIFO ghost, so a chunk read again after eviction comes back as
+   "re-used". Reuse gaps here are several cache sizes long, hence a ghost of ``ghost_factor``
+   (8) times the tracked keys; it is capped at ``ghost_max`` entries (~200 bytes each).
+
+``size`` is ignored when ranking: a KV chunk's recompute cost grows with its size, so the value
+per byte of a hit does not depend on it. The clock is logical (one tick per insert or access).
+
+Known limits: a re-insert of a tracked key is an access (a new ``parent`` is ignored); children
+of a removed key are not hunted down (a tier replaces a chunk by remove + insert, after which
+the children are whole again); a pinned child does not protect its parent (pin whole prefixes).
+Parent links that form a cycle (impossible with chained hashes) fall back to a linear scan.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+from kvtier.policies.base import NothingToEvict
+
+#: Weight of the mean reuse gap in the rank; 0.15-0.3 all score within ~3% on the replay.
+DEFAULT_BETA = 0.25
+#: Ghost entries kept per tracked key; 4 loses ~3% of hits at the smallest cache, 16 gains ~1%.
+DEFAULT_GHOST_FACTOR = 8.0
+DEFAULT_GHOST_MAX = 1 << 20
+_GHOST_MIN = 1024
+#: Ticks a once-seen chunk is ranked behind its last use: "always first" for any real run.
+DEFAULT_SINGLE_PENALTY = float(1 << 40)
+
+
+class _Node:
+    """One tracked key. ``seq`` names its live heap entry (-1: not a candidate), ``queued`` is
+    the rank that entry carries; ``rank`` may have grown since (see ``PrefixPolicy.evict``)."""
+
+    __slots__ = ("count", "first", "last", "parent", "queued", "rank", "seq")
+
+    def __init__(self, parent: bytes, first: int, last: int, count: int) -> None:
+        self.parent = parent
+        self.first = first
+        self.last = last
+        self.count = count
+        self.rank = 0.0
+        self.queued = 0.0
+        self.seq = -1
+
+
+class PrefixPolicy:
+    """Leaf-first eviction ranked by recency and mean reuse gap, with a ghost history."""
+
+    name = "prefix"
+
+    def __init__(self, *, beta: float = DEFAULT_BETA, ghost_factor: float = DEFAULT_GHOST_FACTOR,
+                 ghost_max: int = DEFAULT_GHOST_MAX,
+                 single_penalty: float = DEFAULT_SINGLE_PENALTY) -> None:
+        if beta < 0 or ghost_factor < 0 or ghost_max < 0 or single_penalty < 0:
+            raise ValueError("PrefixPolicy parameters must be >= 0")
+        self._beta = beta
+        self._ghost_factor = ghost_factor
+        self._ghost_max = ghost_max
+        self._single_penalty = single_penalty
+        self._nodes: dict[bytes, _Node] = {}
+        # parent key -> number of tracked, unpinned children (the parent may be untracked:
+        # the count survives its remove + re-insert).
+        self._kids: dict[bytes, int] = {}
+        self._pinned: set[bytes] = set()
+        self._heap: list[tuple[float, int, bytes]] = []  # (rank, seq, key), stale entries lazy
+        self._ghost: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (first, count)
+        self._clock = 0
+        self._seq = 0
+
+    # --- ranking and the candidate heap ----------------------------------------------------
+    def _rank(self, n: _Node) -> float:
+        if n.count < 2:
+            return n.last - self._single_penalty
+        return n.last - self._beta * (n.last - n.first) / (n.count - 1)
+
+    def _push(self, key: bytes, n: _Node) -> None:
+        """Make ``n`` a candidate with its current rank (any older entry goes stale)."""
+        self._seq += 1
+        n.seq = self._seq
+        n.queued = n.rank
+        heap = self._heap
+        heapq.heappush(heap, (n.rank, n.seq, key))
+        if len(heap) > 2 * len(self._nodes) + 64:
+            # Stale entries (of removed keys, of keys that gained a child or a pin) pile up
+            # only without evictions to pop them; rebuild from the live ones.
+            self._heap = [(m.queued, m.seq, k) for k, m in self._nodes.items() if m.seq >= 0]
+            heapq.heapify(self._heap)
+
+    def _is_candidate(self, key: bytes) -> bool:
+        return key not in self._pinned and not self._kids.get(key)
+
+    def _child_gone(self, parent: bytes) -> None:
+        """One unpinned child of ``parent`` stopped counting; the parent may become a leaf."""
+        left = self._kids[parent] - 1
+        if left:
+            self._kids[parent] = left
+            return
+        del self._kids[parent]
+        pn = self._nodes.get(parent)
+        if pn is not None and parent not in self._pinned:
+            self._push(parent, pn)
+
+    def _child_added(self, parent: bytes) -> None:
+        self._kids[parent] = self._kids.get(parent, 0) + 1
+        pn = self._nodes.get(parent)
+        if pn is not None:
+            pn.seq = -1  # no longer a leaf
+
+    # --- the contract ----------------------------------------------------------------------
+    def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
+        node = self._nodes.get(key)
+        if node is not None:
+            self.access(key)
+            return
+        self._clock += 1
+        past = self._ghost.pop(key, None)
+        if past is None:
+            node = _Node(parent if parent != key else b"", self._clock, self._clock, 1)
+        else:
+            node = _Node(parent if parent != key else b"", past[0], self._clock, past[1] + 1)
+        node.rank = self._rank(node)
+        self._nodes[key] = node
+        if key not in self._pinned:
+            if node.parent:
+                self._child_added(node.parent)
+            if not self._kids.get(key):
+                self._push(key, node)
+
+    def access(self, key: bytes) -> None:
+        node = self._nodes.get(key)
+        if node is None:
+            return
+        self._clock += 1
+        node.last = self._clock
+        node.count += 1
+        node.rank = self._rank(node)
+        # A touch raises the rank whenever beta < 2 (always, by default): the queued entry
+        # then stays and is re-queued lazily when it reaches the top, so a hot key costs no
+        # heap push per read. A rank that fell needs a fresh entry now.
+        if (node.seq < 0 or node.rank < node.queued) and self._is_candidate(key):
+            self._push(key, node)
+
+    def remove(self, key: bytes) -> None:
+        node = self._nodes.pop(key, None)
+        if node is not None:
+            self._forget(key, node)
+
+    def _forget(self, key: bytes, node: _Node) -> None:
+        """Bookkeeping for a key that stopped being tracked; its history goes to the ghost."""
+        node.seq = -1
+        if node.parent and key not in self._pinned:
+            self._child_gone(node.parent)
+        ghost = self._ghost
+        ghost[key] = (node.first, node.count)
+        limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * len(self._nodes))))
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
+
+    def evict(self) -> bytes:
+        heap, nodes = self._heap, self._nodes
+        while heap:
+            _, seq, key = heapq.heappop(heap)
+            node = nodes.get(key)
+            if node is None or node.seq != seq:
+                continue  # stale entry
+            if node.rank != node.queued:
+                # Touched since it was queued: ranks only grow, so every other entry is a
+                # lower bound of its key's rank and the heap top is the true minimum once
+                # its entry is current.
+                self._push(key, node)
+                continue
+            del nodes[key]
+            self._forget(key, node)
+            return key
+        # No leaf is left: every tracked key is pinned, or parent links form a cycle.
+        for key in nodes:
+            if key not in self._pinned:
+                node = nodes.pop(key)
+                self._forget(key, node)
+                return key
+        raise NothingToEvict("every tracked key is pinned")
+
+    def pin(self, key: bytes) -> None:
+        if key in self._pinned:
+            return
+        self._pinned.add(key)
+        node = self._nodes.get(key)
+        if node is not None:
+            node.seq = -1
+            if node.parent:
+                self._child_gone(node.parent)
+
+    def unpin(self, key: bytes) -> None:
+        if key not in self._pinned:
+            return
+        self._pinned.discard(key)
+        node = self._nodes.get(key)
+        if node is not None:
+            if node.parent:
+                self._child_added(node.parent)
+            if not self._kids.get(key):
+                self._push(key, node)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)

@@ -1,0 +1,379 @@
+"""Eviction policies: scripted victim orders, pins, removal, re-insert, and a property test.
+
+Every scripted order below is worked out by hand from the policy's documented rules (the
+comment next to each says why), so a change of behaviour shows up as a changed victim list.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.policies.prefix import PrefixPolicy
+from kvtier.policies.s3fifo import S3FIFOPolicy
+from kvtier.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    EvictionPolicy,
+    LRUPolicy,
+    NothingToEvict,
+    make_policy,
+)
+
+ALL = sorted(POLICIES)
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+def k(name: str) -> bytes:
+    return name.encode()
+
+
+def drain(p: EvictionPolicy) -> list[str]:
+    """Evict until NothingToEvict; the victims, in order."""
+    out = []
+    while True:
+        try:
+            out.append(p.evict().decode())
+        except NothingToEvict:
+            return out
+
+
+def insert_all(p: EvictionPolicy, names: str, chain: bool = False) -> None:
+    """Insert one key per letter; ``chain`` makes each letter the child of the one before."""
+    parent = b""
+    for depth, name in enumerate(names):
+        p.insert(k(name), 1, depth if chain else 0, parent if chain else b"")
+        if chain:
+            parent = k(name)
+
+
+# --- registry --------------------------------------------------------------------------------
+def test_registry() -> None:
+    assert DEFAULT_POLICY == "prefix"
+    assert isinstance(make_policy(), PrefixPolicy)
+    assert isinstance(make_policy("lru"), LRUPolicy)
+    assert isinstance(make_policy("s3fifo"), S3FIFOPolicy)
+    for name in ALL:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
+        make_policy("nope")
+
+
+# --- behaviour every policy shares ----------------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_empty_raises(name: str) -> None:
+    p = make_policy(name)
+    with pytest.raises(NothingToEvict):
+        p.evict()
+    assert len(p) == 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_all_pinned_raises_then_unpin_frees(name: str) -> None:
+    p = make_policy(name)
+    insert_all(p, "ab")
+    p.pin(k("a"))
+    p.pin(k("b"))
+    with pytest.raises(NothingToEvict):
+        p.evict()
+    assert len(p) == 2 and k("a") in p and k("b") in p
+    p.unpin(k("b"))
+    assert p.evict() == k("b")
+    with pytest.raises(NothingToEvict):
+        p.evict()
+    p.unpin(k("a"))
+    assert drain(p) == ["a"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_pin_before_insert_is_remembered_and_survives_remove(name: str) -> None:
+    p = make_policy(name)
+    p.pin(k("x"))
+    insert_all(p, "xy")
+    assert drain(p) == ["y"]
+    p.remove(k("x"))  # removing does not unpin
+    assert k("x") not in p and len(p) == 0
+    insert_all(p, "zx")
+    assert drain(p) == ["z"]
+    p.unpin(k("x"))
+    p.unpin(k("x"))  # unpinning twice is harmless
+    assert drain(p) == ["x"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_remove_and_unknown_keys(name: str) -> None:
+    p = make_policy(name)
+    insert_all(p, "ab")
+    p.remove(k("zz"))  # unknown: ignored
+    p.access(k("zz"))  # unknown: ignored, and not tracked afterwards
+    p.unpin(k("zz"))
+    assert k("zz") not in p and len(p) == 2
+    p.remove(k("a"))
+    p.remove(k("a"))
+    assert k("a") not in p and len(p) == 1
+    assert drain(p) == ["b"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_reinsert_is_an_access(name: str) -> None:
+    p = make_policy(name)
+    insert_all(p, "ab")
+    p.insert(k("a"), 1)  # tracked: counts as a read of a, not a second entry
+    assert len(p) == 2
+    # LRU: a is now the most recent. S3-FIFO: a was read in S, moves to M; b leaves S first.
+    # prefix: a is re-used (rank 3 - 0.25*2), b once-seen (rank 2 - penalty).
+    assert drain(p) == ["b", "a"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_deterministic(name: str) -> None:
+    def run() -> list[str]:
+        p = make_policy(name)
+        for i in range(200):
+            p.insert(k(f"{i % 37}"), 1 + i % 3, i % 5, k(f"{(i - 1) % 37}") if i % 5 else b"")
+            if i % 3 == 0:
+                p.access(k(f"{(i * 7) % 37}"))
+            if len(p) > 20:
+                p.evict()
+        return drain(p)
+
+    assert run() == run()
+
+
+# --- LRU ---------------------------------------------------------------------------------------
+def test_lru_order_and_pins() -> None:
+    p = LRUPolicy()
+    insert_all(p, "abcd")
+    p.access(k("a"))  # order now b c d a
+    p.pin(k("c"))
+    assert [p.evict() for _ in range(3)] == [k("b"), k("d"), k("a")]
+    with pytest.raises(NothingToEvict):
+        p.evict()
+    insert_all(p, "e")
+    p.unpin(k("c"))  # unpinning counts as a use: c goes after e
+    assert drain(p) == ["e", "c"]
+
+
+# --- S3-FIFO -----------------------------------------------------------------------------------
+def test_s3fifo_queues() -> None:
+    p = S3FIFOPolicy()
+    insert_all(p, "abcde")  # S = a b c d e (S is all of the size: evict from S)
+    p.access(k("b"))
+    assert p.evict() == k("a")  # a unread in S: evicted, ghost remembers it
+    # b was read in S: moved to M (freq reset); c unread: evicted.
+    assert p.evict() == k("c")
+    p.insert(k("a"), 1)  # ghost hit: straight into M, behind b
+    p.access(k("b"))  # b: freq 1 in M
+    assert p.evict() == k("d")  # S (d e) is still >= 10% of the size
+    assert p.evict() == k("e")
+    # S is empty: M = b(1) a(0); b is reinserted with freq 0, a goes first.
+    assert drain(p) == ["a", "b"]
+
+
+def test_s3fifo_ghost_is_bounded_and_sizes_count() -> None:
+    p = S3FIFOPolicy()
+    p.insert(k("big"), 90)
+    insert_all(p, "xy")  # S holds all 92 bytes
+    assert p.evict() == k("big")
+    p.insert(k("m"), 10)
+    p.access(k("x"))
+    # S = x(1) y m, 12 bytes of 12: x read -> M; y unread -> evicted.
+    assert p.evict() == k("y")
+    p.insert(k("big"), 90)  # ghost hit: into M, M = x big
+    # S = m (10 bytes) < 10% of 101 bytes: evict from M; x (freq 0 since its move) goes first.
+    assert p.evict() == k("x")
+    assert p.evict() == k("m")  # M = big; S = m is 10 of 100 bytes: >= 10%, S goes first
+    assert drain(p) == ["big"]
+
+
+def test_s3fifo_pins() -> None:
+    p = S3FIFOPolicy()
+    insert_all(p, "abc")
+    p.pin(k("a"))
+    assert drain(p) == ["b", "c"]
+    p.unpin(k("a"))
+    assert drain(p) == ["a"]
+
+
+# --- prefix --------------------------------------------------------------------------------
+def test_prefix_evicts_leaves_first() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "rxy", chain=True)  # r -> x -> y at clock 1, 2, 3
+    insert_all(p, "s")  # a lone root at clock 4
+    # All once-seen, so oldest first, but only leaves are candidates: y (3) before s (4);
+    # then x and r become leaves in turn and are older than s. LRU would evict r first.
+    assert drain(p) == ["y", "x", "r", "s"]
+
+
+def test_prefix_reused_outranks_once_seen() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "ab")  # clock 1, 2
+    p.access(k("a"))  # clock 3: a re-used, rank 3 - 0.25 * (3 - 1) = 2.5
+    insert_all(p, "c")  # clock 4, once-seen
+    assert drain(p) == ["b", "c", "a"]  # once-seen (oldest first) before any re-used key
+
+
+def test_prefix_ranks_by_mean_reuse_gap() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "a")  # clock 1
+    insert_all(p, "12345678")  # clock 2..9, once-seen fillers
+    insert_all(p, "b")  # clock 10
+    p.access(k("b"))  # clock 11: gap 1, rank 11 - 0.25 * 1 = 10.75
+    p.access(k("a"))  # clock 12: gap 11, rank 12 - 0.25 * 11 = 9.25
+    # a was used last, yet goes before b: it is re-used eleven times more rarely.
+    assert drain(p) == list("12345678") + ["a", "b"]
+
+
+def test_prefix_history_outlives_eviction() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "a")  # clock 1
+    p.access(k("a"))  # clock 2: count 2
+    assert p.evict() == k("a")  # the only key; its history goes to the ghost
+    insert_all(p, "bca")  # b 3, c 4, a 5 with count 3 from the ghost
+    insert_all(p, "d")  # clock 6, once-seen
+    # Without the ghost, a would be once-seen at clock 5 and go before d.
+    assert drain(p) == ["b", "c", "d", "a"]
+
+
+def test_prefix_ghost_is_bounded() -> None:
+    p = PrefixPolicy(ghost_factor=0.0, ghost_max=0)
+    insert_all(p, "a")
+    p.access(k("a"))
+    assert p.evict() == k("a")
+    for i in range(1100):  # push a out of the (minimum-size) ghost
+        p.insert(k(f"f{i}"), 1)
+        p.evict()
+    insert_all(p, "ad")  # a is once-seen again, older than d
+    assert drain(p) == ["a", "d"]
+
+
+def test_prefix_pins() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "rx", chain=True)
+    p.pin(k("x"))  # a pinned child does not protect its parent: r is a candidate
+    assert drain(p) == ["r"]
+    p.unpin(k("x"))
+    assert drain(p) == ["x"]
+    insert_all(p, "rx", chain=True)
+    p.pin(k("r"))  # a pinned parent stays; its child goes
+    assert drain(p) == ["x"]
+    assert len(p) == 1 and k("r") in p
+    p.unpin(k("r"))
+    assert drain(p) == ["r"]
+
+
+def test_prefix_unpinned_child_makes_parent_interior_again() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "rx", chain=True)
+    p.pin(k("x"))
+    p.unpin(k("x"))  # x counts as r's child again, so r is not a leaf
+    assert drain(p) == ["x", "r"]
+
+
+def test_prefix_remove_keeps_children_counted() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "rx", chain=True)  # r 1, x 2
+    p.remove(k("r"))
+    assert len(p) == 1
+    p.insert(k("r"), 1)  # a tier replaces a chunk by remove + insert: x is r's child again
+    assert drain(p) == ["x", "r"]
+
+
+def test_prefix_remove_middle_frees_parent() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "rxy", chain=True)  # r 1, x 2, y 3
+    p.remove(k("x"))  # r has no tracked child left: it is a leaf (older than y)
+    assert drain(p) == ["r", "y"]
+
+
+def test_prefix_parent_cycle_still_evicts() -> None:
+    p = PrefixPolicy()
+    p.insert(k("a"), 1, 1, k("b"))
+    p.insert(k("b"), 1, 1, k("a"))  # a and b are each other's child: no leaf
+    assert drain(p) == ["a", "b"]  # fallback: first tracked unpinned key, then b is a leaf
+
+
+def test_prefix_heap_stays_bounded() -> None:
+    p = PrefixPolicy()
+    insert_all(p, "abcdefgh")
+    for i in range(20_000):
+        p.access(k("abcdefgh"[i % 8]))
+    assert len(p._heap) <= 2 * len(p) + 64  # stale entries are compacted away
+    assert len(drain(p)) == 8
+
+
+def test_prefix_rejects_negative_parameters() -> None:
+    with pytest.raises(ValueError):
+        PrefixPolicy(beta=-1)
+
+
+# --- property test: any sequence of operations -----------------------------------------------
+KEYS = [bytes([i]) for i in range(8)]
+_key = st.sampled_from(KEYS)
+_op = st.one_of(
+    st.tuples(st.just("insert"), _key, st.integers(1, 4), st.sampled_from([b"", *KEYS])),
+    st.tuples(st.sampled_from(["access", "remove", "pin", "unpin"]), _key),
+    st.tuples(st.just("evict")),
+)
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(_op, max_size=60))
+def test_any_op_sequence(name: str, ops: list[tuple]) -> None:
+    p = make_policy(name)
+    tracked: set[bytes] = set()
+    pinned: set[bytes] = set()
+    for op in ops:
+        kind = op[0]
+        if kind == "insert":
+            p.insert(op[1], op[2], 1 if op[3] else 0, op[3])
+            tracked.add(op[1])
+        elif kind == "access":
+            p.access(op[1])
+        elif kind == "remove":
+            p.remove(op[1])
+            tracked.discard(op[1])
+        elif kind == "pin":
+            p.pin(op[1])
+            pinned.add(op[1])
+        elif kind == "unpin":
+            p.unpin(op[1])
+            pinned.discard(op[1])
+        elif tracked - pinned:
+            victim = p.evict()
+            assert victim in tracked and victim not in pinned
+            tracked.remove(victim)
+        else:
+            with pytest.raises(NothingToEvict):
+                p.evict()
+        assert len(p) == len(tracked)
+        assert {key for key in KEYS if key in p} == tracked
+    victims = [p.evict() for _ in range(len(tracked - pinned))]
+    assert sorted(victims) == sorted(tracked - pinned)  # each evictable key, exactly once
+    with pytest.raises(NothingToEvict):
+        p.evict()
+    assert len(p) == len(tracked & pinned)
+
+
+# --- the default must beat LRU on the replayed trace (hit ratio, not speed) ------------------
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"trace not found: {TRACE}")
+def test_default_beats_lru_on_trace() -> None:
+    spec = importlib.util.spec_from_file_location("kvtier_bench_replay", REPO / "bench" / "replay.py")
+    assert spec is not None and spec.loader is not None
+    replay = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = replay  # its dataclasses resolve annotations through it
+    spec.loader.exec_module(replay)
+    requests = replay.load_trace(TRACE)
+    distinct = len({key for ids in requests for key in ids})
+    for pct, gain in ((5, 1.05), (10, 1.05), (20, 1.0), (40, 1.0)):
+        cap = distinct * pct // 100
+        lru, blocks, _ = replay.replay(requests, make_policy("lru"), cap)
+        best, _, _ = replay.replay(requests, make_policy(DEFAULT_POLICY), cap)
+        assert best >= gain * lru, f"{DEFAULT_POLICY} at {pct}%: {best / blocks:.4f} vs lru {lru / blocks:.4f}"
