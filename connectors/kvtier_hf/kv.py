@@ -1,0 +1,86 @@
+"""Conversion between a transformers cache and kvtier chunk payloads.
+
+Chunk payload layout (what every engine connector writes, see kvtier/cache.py):
+``(layers, kv=2, tokens, kv_heads, head_dim)``, C-contiguous, in the namespace's KV dtype.
+transformers keeps per layer ``keys`` / ``values`` of shape ``(batch, kv_heads, seq, head_dim)``;
+kvtier_hf handles batch 1, so a chunk is ``stack(k[0, :, s:e], v[0, :, s:e])`` per layer with the
+token and head axes swapped.
+
+Ownership: :func:`kv_payload` returns a fresh buffer the caller owns (the store takes it);
+:func:`cache_from_chunks` copies out of the payloads, so the caller may drop them afterwards.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.chunk import Shape
+from kvtier.codec import Buf
+from kvtier.keys import KVLayout
+from kvtier_hf.compat import cache_layers, layer_kv, new_cache
+
+
+def _check_layer(k: torch.Tensor, v: torch.Tensor, layout: KVLayout, dtype: torch.dtype,
+                 layer: int) -> None:
+    for name, t in (("keys", k), ("values", v)):
+        if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != layout.num_kv_heads \
+                or t.shape[3] != layout.head_dim:
+            raise ValueError(
+                f"layer {layer} {name} have shape {tuple(t.shape)}; the namespace expects "
+                f"(1, {layout.num_kv_heads}, seq, {layout.head_dim})")
+        if t.dtype != dtype:
+            # Same byte count is not the same bytes (float16 vs bfloat16): refuse, never guess.
+            raise ValueError(f"layer {layer} {name} are {t.dtype}; the namespace's KV dtype is {dtype}")
+
+
+def kv_payload(cache: Any, start: int, end: int, layout: KVLayout, dtype: torch.dtype) -> Buf:
+    """Raw bytes of tokens ``[start, end)`` of ``cache`` (batch 1) in chunk layout."""
+    if cache_layers(cache) != layout.num_layers:
+        raise ValueError(f"cache has {cache_layers(cache)} layers; the namespace expects {layout.num_layers}")
+    parts = []
+    for layer in range(layout.num_layers):
+        k, v = layer_kv(cache, layer)
+        _check_layer(k, v, layout, dtype, layer)
+        if k.shape[2] < end:
+            raise ValueError(f"cache holds {k.shape[2]} tokens, asked for [{start}, {end})")
+        parts.append(torch.stack((k[0, :, start:end], v[0, :, start:end])))  # (2, H, T, D)
+    block = torch.stack(parts).detach().transpose(2, 3).contiguous().cpu()  # (L, 2, T, H, D)
+    # The numpy array keeps ``block`` alive for as long as the memoryview lives.
+    return block.view(torch.uint8).numpy().data
+
+
+def _as_tensor(payload: Buf, dtype: torch.dtype, shape: Shape) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # Payloads are read-only views into the store's bytes; we only read (and copy) them.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(payload, dtype=dtype).view(shape)
+
+
+def cache_from_chunks(payloads: Sequence[Buf], shapes: Sequence[Shape], tokens: int,
+                      layout: KVLayout, dtype: torch.dtype, config: Any = None,
+                      device: torch.device | str = "cpu") -> Any:
+    """A new DynamicCache holding the first ``tokens`` tokens of the given chunks (in order;
+    the last chunk used may be cut short). ``tokens`` must not exceed what the chunks cover."""
+    cover = sum(s[2] for s in shapes)
+    if tokens > cover:
+        raise ValueError(f"asked for {tokens} tokens, the chunks cover {cover}")
+    if tokens <= 0:
+        return new_cache(config)
+    heads, head_dim = layout.num_kv_heads, layout.head_dim
+    out = torch.empty((layout.num_layers, 2, 1, heads, tokens, head_dim), dtype=dtype)
+    pos = 0
+    for payload, shape in zip(payloads, shapes):
+        take = min(shape[2], tokens - pos)
+        if take <= 0:
+            break
+        src = _as_tensor(payload, dtype, shape)  # (L, 2, T, H, D)
+        out[:, :, 0, :, pos:pos + take].copy_(src[:, :, :take].permute(0, 1, 3, 2, 4))
+        pos += take
+    cache = new_cache(config)
+    for layer in range(layout.num_layers):
+        cache.update(out[layer, 0].to(device), out[layer, 1].to(device), layer)
+    return cache
