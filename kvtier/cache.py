@@ -12,6 +12,7 @@ since the store never blocks on lower tiers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,7 +66,10 @@ class PrefixCache:
 
     @classmethod
     def open(cls, cfg: KVTierConfig, spec: NamespaceSpec, metrics: Metrics | None = None) -> PrefixCache:
-        """Build the store from ``cfg`` (tiers, write policy) and bind it to ``spec``."""
+        """Build the store from ``cfg`` (tiers, write policy) and bind it to ``spec``; the
+        config's ``salt_hex`` salts the namespace unless ``spec`` carries a salt already."""
+        if cfg.salt and not spec.salt:
+            spec = dataclasses.replace(spec, salt=cfg.salt)
         return cls(TieredStore.from_config(cfg, metrics), spec, codec=cfg.codec,
                    shuffle=cfg.shuffle, tenant=cfg.tenant)
 

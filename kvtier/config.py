@@ -141,6 +141,17 @@ class KVTierConfig:
     grpc: GrpcTierConfig = GrpcTierConfig()
     store: StoreConfig = StoreConfig()
 
+    def __post_init__(self) -> None:
+        try:
+            bytes.fromhex(self.salt_hex)
+        except ValueError:
+            raise ConfigError(f"salt_hex: {self.salt_hex!r} is not a hex string") from None
+
+    @property
+    def salt(self) -> bytes:
+        """Namespace salt (per-tenant isolation); see kvtier.keys.tenant_salt."""
+        return bytes.fromhex(self.salt_hex)
+
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
              overrides: Mapping[str, Any] | None = None,

@@ -40,6 +40,7 @@ def test_engine_extra_config_dict() -> None:
     ({"chunk_tokens": "many"}, "chunk_tokens"),
     ({"nonsense": 1}, "nonsense"),
     ({"cpu": 5}, "cpu"),
+    ({"salt_hex": "not-hex"}, "salt_hex"),
 ])
 def test_invalid_values_name_field_and_range(bad: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
