@@ -1,0 +1,164 @@
+"""File primitives of the disk tier: aligned buffers, whole reads/writes, O_DIRECT, checks.
+
+O_DIRECT needs the memory address, the file offset and the length of every transfer aligned
+to the device's logical block; 4096 covers every device we meet. Files are zero-padded to
+that multiple (chunk headers carry the true length), and sources or destinations that are not
+page-aligned go through a per-thread aligned scratch buffer.
+
+Everything here is stateless or thread-local and raises ``OSError`` (medium) or
+:class:`~kvtier.errors.ChunkError` (bytes that cannot be trusted); the tier turns both into
+misses.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+import xxhash
+
+from kvtier.chunk import HEADER_SIZE, ChunkHeader, decode_header
+from kvtier.errors import ChunkError
+
+ALIGN = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+TMP_MAX_AGE_S = 600.0  # no write takes this long: older temp files are leftovers
+_ZEROS = memoryview(bytes(ALIGN))
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class Scratch(threading.local):
+    """Per-thread page-aligned buffer, grown on demand and pre-touched (no page faults on
+    the I/O path). A view it returns is valid until the same thread's next ``get``."""
+
+    def __init__(self) -> None:
+        self.map: mmap.mmap | None = None
+        self.view = memoryview(b"")
+
+    def get(self, n: int) -> memoryview:
+        if len(self.view) < n:
+            self.map = mmap.mmap(-1, align_up(max(n, 1 << 20)))
+            np.frombuffer(self.map, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+            self.view = memoryview(self.map)
+        return self.view
+
+
+def pread_full(fd: int, view: memoryview, offset: int, want: int) -> None:
+    """Read at least ``want`` bytes into ``view`` from ``offset`` (``view`` may be longer:
+    O_DIRECT reads whole blocks); a file that ends first holds a truncated chunk."""
+    got = 0
+    while got < want:  # not beyond: an O_DIRECT read from an unaligned offset is EINVAL
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise ChunkError("truncated", f"read {got} bytes, expected {want}")
+        got += n
+
+
+def pwrite_full(fd: int, view: memoryview, offset: int = 0) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def write_direct(fd: int, data: memoryview, size: int, scratch: Scratch) -> None:
+    """Write ``data`` zero-padded to ``size`` (a multiple of ALIGN) through O_DIRECT. A
+    page-aligned source (a pinned or arena buffer) is written in place but for its last
+    partial block; any other source is bounce-copied through ``scratch`` (a memcpy, ~15-20%
+    of a put on this machine)."""
+    n = data.nbytes
+    bulk = n & ~(ALIGN - 1) if address(data) % ALIGN == 0 else 0
+    if bulk:
+        pwrite_full(fd, data[:bulk])
+    buf = scratch.get(size - bulk)
+    buf[: n - bulk] = data[bulk:]
+    buf[n - bulk : size - bulk] = _ZEROS[: size - n]
+    pwrite_full(fd, buf[: size - bulk], bulk)
+
+
+def read_file(fd: int, out: memoryview | None, scratch: Scratch, direct: bool) -> tuple[memoryview, int]:
+    """(the chunk bytes, the file size): a view of ``out`` when the bytes could go there,
+    else of ``scratch``. Bytes go straight into ``out`` where the medium allows: all of the
+    file with buffered I/O, its aligned prefix under O_DIRECT when ``out`` is page-aligned.
+    The view is ``header.nbytes`` long but not yet verified (see :func:`verify`)."""
+    size = os.fstat(fd).st_size
+    if size < HEADER_SIZE:
+        raise ChunkError("truncated", f"file has {size} bytes")
+    head = 0
+    if out is not None and out.nbytes >= ALIGN and (not direct or address(out) % ALIGN == 0):
+        head = min(size, out.nbytes) & (~(ALIGN - 1) if direct else -1)
+        pread_full(fd, out[:head], 0, head)
+    if out is not None and head == size:
+        view = out[:size]
+    else:
+        rest = size - head
+        buf = scratch.get(align_up(rest))
+        pread_full(fd, buf[: align_up(rest) if direct else rest], head, rest)
+        if out is None or not head:
+            view = buf[:size]
+        else:  # the aligned prefix is in ``out``: complete it there
+            n = min(decode_header(out[:HEADER_SIZE]).nbytes, size)
+            if n > out.nbytes:
+                raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {n}-byte chunk")
+            if n > head:
+                out[head:n] = buf[: n - head]
+            view = out[:n]
+    return view[: min(decode_header(view[:HEADER_SIZE]).nbytes, view.nbytes)], size
+
+
+def check_header(head: bytes | memoryview, key: bytes, size: int) -> ChunkHeader:
+    """The header of a chunk file of ``size`` bytes named for ``key``, or ChunkError."""
+    header = decode_header(head)
+    if header.key != key:
+        raise ChunkError("key_mismatch", "file holds another key's chunk")
+    if not header.nbytes <= size <= align_up(header.nbytes):
+        raise ChunkError("truncated", f"file has {size} bytes, header says {header.nbytes}")
+    return header
+
+
+def verify(view: memoryview, key: bytes, size: int) -> None:
+    """``decode_chunk(verify=True)``'s checks without decompressing: header, key, length
+    against the file size, payload checksum."""
+    header = check_header(view[:HEADER_SIZE], key, size)
+    if view.nbytes < header.nbytes:
+        raise ChunkError("truncated", f"{view.nbytes} bytes, header says {header.nbytes}")
+    if xxhash.xxh3_64_intdigest(view[HEADER_SIZE : header.nbytes]) != header.checksum:
+        raise ChunkError("corrupt", "payload checksum mismatch")
+
+
+def stale_tmp(entry: os.DirEntry[str]) -> bool:
+    """A temp file named ``.<anything>.<pid>.<seq>.tmp`` is stale when it is old or its
+    writer is dead; this process's own are left alone (another tier object may be writing)."""
+    try:
+        if time.time() - entry.stat().st_mtime >= TMP_MAX_AGE_S:
+            return True
+        pid = int(entry.name.split(".")[-3])
+    except (ValueError, IndexError, OSError):
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+def unlink(path: str) -> bool:
+    """True when a file was removed; a missing one is not an error."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

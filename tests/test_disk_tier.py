@@ -1,0 +1,241 @@
+"""Disk-tier faults on real files: restarts, torn and flipped files, foreign chunks, a full tier,
+a full file system, an unusable directory, and two tier objects sharing one directory."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvtier.chunk import HEADER_SIZE, decode_chunk, encode_chunk
+from kvtier.config import DiskTierConfig
+from kvtier.errors import ChunkError, TierUnavailableError
+from kvtier.tiers.base import ABSENT, CORRUPT, EVICTED, Entry, Miss
+from kvtier.tiers.disk import ALIGN, DiskTier, align_up
+from tests.contract import NAMESPACE, chunk_for, key_of
+
+MiB = 1 << 20
+
+
+def open_tier(path: Path, capacity: int = 4 * MiB, **kw: object) -> DiskTier:
+    # LRU explicitly: these tests name which chunks an eviction takes.
+    kw.setdefault("policy", "lru")
+    return DiskTier(DiskTierConfig(path=str(path), capacity_bytes=capacity, **kw))  # type: ignore[arg-type]
+
+
+def fill(tier: DiskTier, n: int, prefix: str = "k") -> list[bytes]:
+    keys = [key_of(f"{prefix}{i}") for i in range(n)]
+    assert tier.put([Entry(k, chunk_for(k)) for k in keys]) == [True] * n
+    return keys
+
+
+def file_of(tier: DiskTier, key: bytes) -> Path:
+    return Path(tier.root) / key.hex()[:2] / f"{key.hex()}.kvc"
+
+
+def test_restart_rebuilds_index(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = fill(tier, 10, prefix="old")
+    time.sleep(0.05)  # file times are coarse (a few ms): make the two batches' order certain
+    keys += fill(tier, 10, prefix="new")
+    usage = tier.usage()
+    tier.close()
+    again = open_tier(tmp_path)
+    assert again.rebuild_stats.files == 20 and again.rebuild_stats.bad == 0
+    assert again.usage() == usage
+    assert again.contains(keys) == 20
+    assert again.get(keys) == [chunk_for(k) for k in keys]
+    assert again.check() == []
+    # Older files are evicted first after a restart (file time order).
+    small = open_tier(tmp_path, capacity=10 * ALIGN)
+    assert small.rebuild_stats.evicted == 10 and small.usage().entries == 10
+    assert small.contains(keys[10:]) == 10 and small.check() == []
+
+
+def test_truncated_file_is_a_corrupt_miss_and_deleted(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = fill(tier, 3)
+    path = file_of(tier, keys[1])
+    os.truncate(path, 1000)
+    assert tier.get(keys) == [chunk_for(keys[0]), Miss(CORRUPT), chunk_for(keys[2])]
+    assert not path.exists() and tier.corrupt_reads == 1
+    assert tier.get([keys[1]]) == [Miss(ABSENT)]
+    assert tier.usage().entries == 2 and tier.check() == []
+    # Found at start-up: a length that disagrees with the header is deleted and counted.
+    os.truncate(file_of(tier, keys[2]), 2000)
+    tier.close()
+    again = open_tier(tmp_path)
+    assert again.rebuild_stats.bad == 1 and not file_of(again, keys[2]).exists()
+    assert again.get(keys) == [chunk_for(keys[0]), Miss(ABSENT), Miss(ABSENT)]
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_bit_flip_is_a_corrupt_miss(tmp_path: Path, where: str) -> None:
+    tier = open_tier(tmp_path)
+    keys = fill(tier, 2)
+    path = file_of(tier, keys[0])
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_SIZE + 500 if where == "payload" else 40] ^= 0x01
+    path.write_bytes(raw)
+    out = memoryview(bytearray(8192))
+    assert tier.get_into(keys, [out, memoryview(bytearray(8192))])[0] == Miss(CORRUPT)
+    assert not path.exists() and tier.check() == []
+    assert tier.get(keys[1:]) == [chunk_for(keys[1])]
+    if where == "header":  # start-up catches a bad header without reading payloads
+        path2 = file_of(tier, keys[1])
+        raw = bytearray(path2.read_bytes())
+        raw[10] ^= 0xFF
+        path2.write_bytes(raw)
+        tier.close()
+        assert open_tier(tmp_path).rebuild_stats.bad == 1 and not path2.exists()
+
+
+def test_chunk_of_another_key_or_namespace(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    a, b = key_of("a"), key_of("b")
+    other_ns = hashlib.sha256(b"another model").digest()
+    foreign = bytes(encode_chunk(other_ns, a, "float16", (2, 2, 16, 2, 8), bytes(2048)))
+    assert tier.put([Entry(a, foreign)]) == [True]
+    got = tier.get([a])[0]
+    assert got == foreign  # exact bytes; the store rejects the namespace
+    with pytest.raises(ChunkError) as err:
+        decode_chunk(got, namespace=NAMESPACE)  # type: ignore[arg-type]
+    assert err.value.reason == "namespace_mismatch"
+    # A put whose chunk carries another key is refused; a file copied under another key's
+    # name is never served as that key.
+    assert tier.put([Entry(b, chunk_for(a))]) == [False]
+    assert tier.put([Entry(b, b"not a chunk at all" * 10)]) == [False]
+    shutil.copy(file_of(tier, a), file_of(tier, b))
+    assert tier.get([b]) == [Miss(CORRUPT)] and not file_of(tier, b).exists()
+    assert tier.check() == []
+
+
+def test_full_tier_evicts_and_reuses_files(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, capacity=8 * ALIGN)
+    keys = fill(tier, 30)
+    usage = tier.usage()
+    assert usage.used_bytes <= usage.capacity_bytes and usage.entries == 8
+    assert tier.get(keys[:22]) == [Miss(EVICTED)] * 22
+    assert tier.get(keys[22:]) == [chunk_for(k) for k in keys[22:]]
+    files = [p for p in Path(tier.root).rglob("*") if p.is_file()]
+    assert len(files) == 8 and sum(p.stat().st_size for p in files) == usage.used_bytes
+    assert tier.check() == []
+
+
+def test_unusable_directory_raises_at_construction(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(TierUnavailableError, match=str(blocker / "sub")):
+        open_tier(blocker / "sub")
+
+
+def test_two_tiers_on_one_directory_see_each_others_writes(tmp_path: Path) -> None:
+    writer, reader = open_tier(tmp_path), open_tier(tmp_path)
+    keys = fill(writer, 3)
+    assert reader.contains(keys) == 3  # found on disk, then adopted into the reader's index
+    assert reader.get(keys) == [chunk_for(k) for k in keys]
+    late = fill(writer, 2, prefix="late")
+    out = memoryview(bytearray(8192))
+    assert reader.get_into(late[:1], [out]) == [len(chunk_for(late[0]))]
+    assert reader.delete(keys[:1]) == 1
+    assert writer.get(keys[:1]) == [Miss(EVICTED)]  # gone under the writer: a miss, no error
+    assert reader.check() == [] and writer.check() == []
+    # A buffered writer leaves unpadded files; an O_DIRECT reader reads them whole.
+    buffered = open_tier(tmp_path, o_direct=False)
+    odd = fill(buffered, 2, prefix="odd")
+    assert os.path.getsize(file_of(buffered, odd[0])) % ALIGN
+    assert reader.direct and reader.get(odd) == [chunk_for(k) for k in odd]
+    big = key_of("odd-big")
+    assert buffered.put([Entry(big, chunk_for(big, tokens=200))]) == [True]  # ~13 KiB, unpadded
+    for out in (memoryview(mmap.mmap(-1, 8 * ALIGN)), memoryview(mmap.mmap(-1, 8 * ALIGN))[: 7 * ALIGN - 5]):
+        assert reader.get_into([big], [out]) == [len(chunk_for(big, tokens=200))]
+        assert bytes(out[: len(chunk_for(big, tokens=200))]) == chunk_for(big, tokens=200)
+    # A different process works the same way.
+    script = ("import sys; from kvtier.config import DiskTierConfig; from kvtier.tiers.disk import DiskTier;"
+              "from tests.contract import chunk_for, key_of;"
+              f"t = DiskTier(DiskTierConfig(path={str(tmp_path)!r}, capacity_bytes={4 * MiB}));"
+              "k = key_of('other-process'); sys.exit(0 if t.put([__import__('kvtier.tiers.base').tiers.base"
+              ".Entry(k, chunk_for(k))]) == [True] else 1)")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent, timeout=60)
+    k = key_of("other-process")
+    assert reader.get([k]) == [chunk_for(k)] and writer.contains([k]) == 1
+
+
+def test_get_into_aligned_and_unaligned_buffers(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    key = key_of("align")
+    chunk = chunk_for(key, tokens=200)  # spans several 4 KiB blocks with a partial tail
+    assert len(chunk) % ALIGN and tier.put([Entry(key, chunk)]) == [True]
+    arena = mmap.mmap(-1, 4 * align_up(len(chunk)))
+    views = [memoryview(arena)[: len(chunk)],  # page-aligned, exact length
+             memoryview(arena)[align_up(len(chunk)) : 3 * align_up(len(chunk))],  # aligned, roomy
+             memoryview(bytearray(len(chunk) + 1))[1:]]  # unaligned
+    for view in views:
+        assert tier.get_into([key], [view]) == [len(chunk)]
+        assert bytes(view[: len(chunk)]) == chunk
+    with pytest.raises(ValueError):
+        tier.get_into([key], [memoryview(arena)[: len(chunk) - 1]])
+    assert tier.check() == []
+
+
+def test_stale_temp_files_are_removed(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    fill(tier, 1)
+    tier.close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shard = tmp_path / "ab"
+    stale = shard / f".{'ab' * 32}.{dead.pid}.0.tmp"
+    live = shard / f".{'ab' * 32}.{os.getppid()}.0.tmp"  # a live writer's file stays
+    old = shard / f".{'ab' * 32}.{os.getppid()}.1.tmp"
+    for p in (stale, live, old):
+        p.write_bytes(b"partial")
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    again = open_tier(tmp_path)
+    assert again.rebuild_stats.tmp_removed == 2
+    assert not stale.exists() and live.exists() and not old.exists()
+    assert again.usage().entries == 1
+
+
+def test_full_file_system_evicts_and_retries(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ENOSPC from a real 1 MiB tmpfs while the tier believes it has 8 MiB."""
+    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                      check=False, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root in a VM or privileged container)")
+    try:
+        tier = open_tier(mnt, capacity=8 * MiB)
+        keys = [key_of(f"nospc{i}") for i in range(120)]
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            results = [tier.put([Entry(k, chunk_for(k, tokens=64))])[0] for k in keys]
+        assert all(results), "ENOSPC must evict this tier's own files and retry"
+        assert tier.usage().entries < len(keys)  # the file system, not the tier, was full
+        assert tier.usage().used_bytes <= MiB < tier.usage().capacity_bytes
+        assert tier.get(keys[-1:]) == [chunk_for(keys[-1], tokens=64)]
+        assert tier.check() == []
+        tier.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_evict_listener_gets_the_bytes(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, capacity=2 * ALIGN)
+    seen: list[tuple[bytes, bytes]] = []
+    tier.evict_listener = lambda k, v: seen.append((k, v))
+    keys = fill(tier, 3)
+    assert seen == [(keys[0], chunk_for(keys[0]))]
+    tier.pin([keys[1]])
+    d = key_of("d")
+    assert tier.put([Entry(d, chunk_for(d))]) == [True]
+    assert tier.contains([keys[1], d]) == 2 and tier.check() == []
