@@ -93,8 +93,9 @@ class GrpcTierConfig:
     ``timeout_s``; a failing node is skipped (its chunks miss with reason ``node_down``) and
     probed again after ``backoff_s``, doubling up to ``backoff_max_s``. TLS is on when ``tls``
     or ``tls_ca`` is set (``tls_cert``/``tls_key``: client certificate for mutual TLS).
-    ``data_path``: how chunk bytes travel; ``auto`` takes the fastest the node advertises
-    (``socket``: length-prefixed frames on the node's data port) and falls back to ``grpc``.
+    ``data_path``: how chunk bytes travel; ``auto`` takes the fastest the node advertises:
+    ``shm`` (a shared-memory segment, nodes on this host), else ``socket`` (length-prefixed
+    frames on the node's data port), else ``grpc``; a failing fast path falls back to gRPC.
     """
 
     enabled: bool = False
@@ -108,7 +109,7 @@ class GrpcTierConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
-    data_path: str = field(default="auto", metadata=_one_of("auto", "grpc", "socket"))
+    data_path: str = field(default="auto", metadata=_one_of("auto", "shm", "socket", "grpc"))
     backoff_s: float = field(default=0.25, metadata=_rng(0.001, 60))
     backoff_max_s: float = field(default=10.0, metadata=_rng(0.01, 3600))
     max_message_bytes: int = field(default=64 * MiB, metadata=_rng(1 * MiB, 1 * GiB, size=True))
@@ -188,7 +189,7 @@ def parse_size(value: Any, where: str = "size") -> int:
 
 
 def _coerce(f: dataclasses.Field[Any], tp: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):

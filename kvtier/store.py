@@ -65,6 +65,7 @@ class LoadResult:
 
 
 _STOP = object()
+_Job = tuple[list[Entry], int]  # (entries, first tier level to write them to)
 
 
 class TieredStore:
@@ -78,7 +79,7 @@ class TieredStore:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=config.queue_depth)
+        self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=config.queue_depth)
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
         self._closed = False
@@ -135,10 +136,10 @@ class TieredStore:
                 found[i], source[i] = value, level
                 self.metrics.bytes_read.labels(tier.name).inc(len(value))
         run: list[bytes] = []
-        for value in found:
-            if value is None:
+        for chunk in found:
+            if chunk is None:
                 break
-            run.append(value)
+            run.append(chunk)
         sources = [self.tiers[source[i]].name for i in range(len(run))]
         self._after_load(keys, run, source)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
@@ -197,8 +198,9 @@ class TieredStore:
             try:
                 if item is _STOP:
                     return
-                entries, level = item  # type: ignore[misc]
-                self._write_down(entries, level)
+                assert isinstance(item, tuple)
+                job: _Job = item
+                self._write_down(*job)
             finally:
                 self._queue.task_done()
                 self.metrics.queue_depth.set(self._queue.qsize())

@@ -88,6 +88,7 @@ tier documents; it must be quick and must not call back into the same tier."""
 @runtime_checkable
 class Tier(Protocol):
     name: str
+    evict_listener: EvictListener | None
 
     def probe(self, keys: Sequence[bytes]) -> Probe: ...
 
@@ -163,9 +164,14 @@ class TierBase:
             self._closed = True
         self._close()
 
-    # --- helpers for subclasses ------------------------------------------------------------
+    # --- verbs subclasses implement ---------------------------------------------------------
+    def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
+        raise NotImplementedError
+
     def _probe(self, keys: Sequence[bytes]) -> Probe:
         raise NotImplementedError
+
+    # --- helpers for subclasses ------------------------------------------------------------
 
     def _close(self) -> None:
         pass
