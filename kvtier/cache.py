@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.chunk import Shape, decode_chunk, encode_chunk
+from kvtier.chunk import HEADER_SIZE, Shape, decode_chunk, dtype_itemsize, encode_chunk
 from kvtier.codec import Buf, Codec
 from kvtier.config import KVTierConfig
-from kvtier.errors import ChunkError
+from kvtier.errors import ChunkError, ConfigError
 from kvtier.keys import NamespaceSpec, chunk_keys, chunk_spans
 from kvtier.metrics import Metrics
 from kvtier.store import TieredStore
@@ -63,6 +64,7 @@ class PrefixCache:
         self.shuffle = shuffle
         self.tenant = tenant
         self.metrics: Metrics = store.metrics
+        self._check_slot_sizes()
 
     @classmethod
     def open(cls, cfg: KVTierConfig, spec: NamespaceSpec, metrics: Metrics | None = None) -> PrefixCache:
@@ -143,6 +145,21 @@ class PrefixCache:
 
     def close(self) -> None:
         self.store.close()
+
+    def _check_slot_sizes(self) -> None:
+        """A chunk larger than a tier's fixed slot can never be stored there: refuse raw-codec
+        setups that would silently store nothing, warn where compression might still fit."""
+        lay = self.spec.layout
+        need = HEADER_SIZE + math.prod(lay.chunk_shape(lay.chunk_tokens)) * dtype_itemsize(self.spec.kv_dtype)
+        for tier in self.store.tiers:
+            slot = getattr(tier, "slot_bytes", None)
+            if slot is None or need <= slot:
+                continue
+            msg = (f"{tier.name}.slot_bytes: {slot} bytes is smaller than one chunk of this model "
+                   f"({need} bytes for chunk_tokens={lay.chunk_tokens}); raise slot_bytes or lower chunk_tokens")
+            if self.codec == Codec.RAW:
+                raise ConfigError(msg)
+            log.warning("%s (compressed chunks may still fit)", msg)
 
     def _count(self, runs: tuple[tuple[str, int], ...], spans: list[tuple[int, int]],
                hit_tokens: int, total: int, reason: str) -> None:

@@ -210,3 +210,15 @@ def test_store_after_close_raises_and_metrics_render() -> None:
     store.close()
     with pytest.raises(RuntimeError):
         store.store(_entries(1)[1])
+
+
+def test_chunk_larger_than_cpu_slot_is_a_config_error() -> None:
+    from kvtier.config import CpuTierConfig
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.cpu import CpuTier
+
+    big = NamespaceSpec("m", KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, chunk_tokens=256))
+    with TieredStore([CpuTier(CpuTierConfig(capacity_bytes=8 << 20, slot_bytes=4 << 20))]) as store:
+        with pytest.raises(ConfigError, match="cpu.slot_bytes"):
+            PrefixCache(store, big)
+        PrefixCache(store, big, codec="lz4")  # may fit once compressed: warning only
