@@ -27,11 +27,11 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-def _rng(lo: float | None = None, hi: float | None = None, *, size: bool = False) -> dict[str, Any]:
+def value_range(lo: float | None = None, hi: float | None = None, *, size: bool = False) -> dict[str, Any]:
     return {"range": (lo, hi), "size": size}
 
 
-def _one_of(*choices: str) -> dict[str, Any]:
+def one_of(*choices: str) -> dict[str, Any]:
     return {"choices": choices}
 
 
@@ -40,10 +40,10 @@ class CpuTierConfig:
     """Host-RAM arena of fixed-size slots (pinned when CUDA is present)."""
 
     enabled: bool = True
-    capacity_bytes: int = field(default=1 * GiB, metadata=_rng(1 * MiB, None, size=True))
-    slot_bytes: int = field(default=4 * MiB, metadata=_rng(4096, 1 * GiB, size=True))
+    capacity_bytes: int = field(default=1 * GiB, metadata=value_range(1 * MiB, None, size=True))
+    slot_bytes: int = field(default=4 * MiB, metadata=value_range(4096, 1 * GiB, size=True))
     policy: str = DEFAULT_POLICY
-    pin_memory: str = field(default="auto", metadata=_one_of("auto", "always", "never"))
+    pin_memory: str = field(default="auto", metadata=one_of("auto", "always", "never"))
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class DiskTierConfig:
 
     enabled: bool = False
     path: str = "~/.cache/kvtier/disk"
-    capacity_bytes: int = field(default=16 * GiB, metadata=_rng(1 * MiB, None, size=True))
+    capacity_bytes: int = field(default=16 * GiB, metadata=value_range(1 * MiB, None, size=True))
     policy: str = DEFAULT_POLICY
     o_direct: bool = True
 
@@ -64,9 +64,9 @@ class RedisTierConfig:
     enabled: bool = False
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvtier"
-    ttl_s: int = field(default=0, metadata=_rng(0, None))
-    timeout_s: float = field(default=1.0, metadata=_rng(0.001, 600))
-    max_value_bytes: int = field(default=64 * MiB, metadata=_rng(1024, 512 * MiB, size=True))
+    ttl_s: int = field(default=0, metadata=value_range(0, None))
+    timeout_s: float = field(default=1.0, metadata=value_range(0.001, 600))
+    max_value_bytes: int = field(default=64 * MiB, metadata=value_range(1024, 512 * MiB, size=True))
     # ACL credentials; when set they override the user/password given in ``url``.
     username: str = ""
     password: str = ""
@@ -81,8 +81,8 @@ class RedisTierConfig:
     lazy_connect: bool = False
     # A node that fails is skipped (instant node_down misses) and re-pinged in the
     # background after backoff_s, doubling up to backoff_max_s while it stays down.
-    backoff_s: float = field(default=0.5, metadata=_rng(0.01, 600))
-    backoff_max_s: float = field(default=10.0, metadata=_rng(0.01, 3600))
+    backoff_s: float = field(default=0.5, metadata=value_range(0.01, 600))
+    backoff_max_s: float = field(default=10.0, metadata=value_range(0.01, 3600))
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ class GrpcTierConfig:
 
     enabled: bool = False
     nodes: tuple[str, ...] = ()
-    replication: int = field(default=1, metadata=_rng(1, 16))
-    timeout_s: float = field(default=2.0, metadata=_rng(0.001, 600))
+    replication: int = field(default=1, metadata=value_range(1, 16))
+    timeout_s: float = field(default=2.0, metadata=value_range(0.001, 600))
     token: str = ""
     token_file: str = ""
     tls: bool = False
@@ -109,33 +109,33 @@ class GrpcTierConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
-    data_path: str = field(default="auto", metadata=_one_of("auto", "shm", "socket", "grpc"))
-    backoff_s: float = field(default=0.25, metadata=_rng(0.001, 60))
-    backoff_max_s: float = field(default=10.0, metadata=_rng(0.01, 3600))
-    max_message_bytes: int = field(default=64 * MiB, metadata=_rng(1 * MiB, 1 * GiB, size=True))
-    connections: int = field(default=4, metadata=_rng(1, 256))
+    data_path: str = field(default="auto", metadata=one_of("auto", "shm", "socket", "grpc"))
+    backoff_s: float = field(default=0.25, metadata=value_range(0.001, 60))
+    backoff_max_s: float = field(default=10.0, metadata=value_range(0.01, 3600))
+    max_message_bytes: int = field(default=64 * MiB, metadata=value_range(1 * MiB, 1 * GiB, size=True))
+    connections: int = field(default=4, metadata=value_range(1, 256))
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     write_policy: str = field(
         default="write_through",
-        metadata=_one_of("write_through", "write_through_selective", "write_back"),
+        metadata=one_of("write_through", "write_through_selective", "write_back"),
     )
-    selective_min_hits: int = field(default=2, metadata=_rng(1, 1_000_000))
-    queue_depth: int = field(default=256, metadata=_rng(1, 1_000_000))
+    selective_min_hits: int = field(default=2, metadata=value_range(1, 1_000_000))
+    queue_depth: int = field(default=256, metadata=value_range(1, 1_000_000))
     promote_on_load: bool = True
 
 
 @dataclass(frozen=True)
 class KVTierConfig:
-    chunk_tokens: int = field(default=256, metadata=_rng(1, 1 << 20))
-    hash: str = field(default="sha256", metadata=_one_of("sha256", "xxh3_128", "blake3"))
-    codec: str = field(default="raw", metadata=_one_of("raw", "lz4", "zstd"))
+    chunk_tokens: int = field(default=256, metadata=value_range(1, 1 << 20))
+    hash: str = field(default="sha256", metadata=one_of("sha256", "xxh3_128", "blake3"))
+    codec: str = field(default="raw", metadata=one_of("raw", "lz4", "zstd"))
     shuffle: bool = False
     tenant: str = ""
     salt_hex: str = ""
-    log_level: str = field(default="WARNING", metadata=_one_of("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_level: str = field(default="WARNING", metadata=one_of("DEBUG", "INFO", "WARNING", "ERROR"))
     cpu: CpuTierConfig = CpuTierConfig()
     disk: DiskTierConfig = DiskTierConfig()
     redis: RedisTierConfig = RedisTierConfig()
@@ -160,10 +160,10 @@ class KVTierConfig:
         """defaults < YAML ``path`` < environment (``os.environ`` unless given) < ``overrides``."""
         merged: dict[str, Any] = {}
         if path is not None:
-            _deep_merge(merged, _read_yaml(Path(path)))
-        _deep_merge(merged, env_to_dict(os.environ if env is None else env))
+            deep_merge(merged, read_yaml(Path(path)))
+        deep_merge(merged, env_to_dict(os.environ if env is None else env))
         if overrides:
-            _deep_merge(merged, dict(overrides))
+            deep_merge(merged, dict(overrides))
         return from_dict(cls, merged)
 
     @classmethod
@@ -276,7 +276,7 @@ def env_to_dict(env: Mapping[str, str], prefix: str = "KVTIER_") -> dict[str, An
     return out
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
@@ -290,9 +290,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+def deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
     for key, value in new.items():
         if isinstance(value, Mapping) and isinstance(into.get(key), dict):
-            _deep_merge(into[key], value)
+            deep_merge(into[key], value)
         else:
             into[key] = dict(value) if isinstance(value, Mapping) else value

@@ -1,0 +1,140 @@
+"""kvtier-server configuration: frozen dataclasses loaded from YAML, environment and flags.
+
+Precedence (lowest first): defaults < YAML file (``--config``) < ``KVTIER_SERVER_*``
+environment < command-line flags. Environment names follow kvtier.config:
+``KVTIER_SERVER_PORT=7000``, ``KVTIER_SERVER_DISK__PATH=/mnt/nvme/kvtier``. The storage
+sections reuse the client's ``CpuTierConfig`` / ``DiskTierConfig``: the server holds each
+tenant's chunks in a RAM tier over an optional disk tier (see :mod:`kvtier.server.storage`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    deep_merge,
+    read_yaml,
+    value_range,
+    env_to_dict,
+    from_dict,
+)
+from kvtier.errors import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+ENV_PREFIX = "KVTIER_SERVER_"
+DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 50052
+DEFAULT_DATA_PORT = 50053
+
+
+def _port(default: int) -> Any:
+    # -1 disables the listener, 0 asks the kernel for a free port (logged and written to the
+    # ready file), anything else is that port.
+    return field(default=default, metadata=value_range(-1, 65535))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything kvtier-server reads at start. Immutable; a change needs a restart."""
+
+    host: str = "127.0.0.1"
+    port: int = _port(DEFAULT_PORT)
+    http_port: int = _port(DEFAULT_HTTP_PORT)
+    data_port: int = _port(DEFAULT_DATA_PORT)
+    # Plain-text listeners on a non-loopback address leak tokens and chunks; refused unless set.
+    allow_insecure_remote: bool = False
+    node_id: str = ""
+    # Auth: empty = off (one tenant, "default"). Format in kvtier.server.auth.
+    tokens_file: str = ""
+    # Quota of tenants whose token line names none (0 = an equal share of the capacity).
+    default_quota_bytes: int = field(default=0, metadata=value_range(0, None, size=True))
+    tls_cert: str = ""
+    tls_key: str = ""
+    # CA bundle that client certificates must chain to; set = mutual TLS required.
+    tls_client_ca: str = ""
+    max_message_bytes: int = field(default=64 * MiB, metadata=value_range(1 * MiB, 1 * GiB, size=True))
+    max_chunk_bytes: int = field(default=32 * MiB, metadata=value_range(4096, 1 * GiB, size=True))
+    max_batch_keys: int = field(default=4096, metadata=value_range(1, 1 << 20))
+    # Threads that run blocking tier calls for the gRPC side (the event loop never does).
+    workers: int = field(default=4, metadata=value_range(1, 256))
+    max_data_connections: int = field(default=256, metadata=value_range(1, 65536))
+    # Shared-memory segment per data-path connection of a same-host client (0 = no shm path).
+    # Reserved in /dev/shm (RAM) for the connection's life; chunks beyond it travel inline.
+    shm_bytes: int = field(default=32 * MiB, metadata=value_range(0, 4 * GiB, size=True))
+    # SIGTERM: seconds in-flight RPCs get to finish before they are cancelled.
+    grace_s: float = field(default=10.0, metadata=value_range(0, 3600))
+    # Written (JSON: addresses and ports) once every listener is bound; for orchestration.
+    ready_file: str = ""
+    log_level: str = field(default="INFO", metadata={"choices": ("DEBUG", "INFO", "WARNING", "ERROR")})
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def validate(self) -> None:
+        """Cross-field rules the per-field metadata cannot express; raises ConfigError."""
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
+            value = getattr(self, name)
+            if value and not Path(value).expanduser().is_file():
+                raise ConfigError(f"{name}: {value!r} is not a readable file")
+        if self.max_chunk_bytes + MiB > self.max_message_bytes:
+            raise ConfigError(
+                f"max_chunk_bytes ({self.max_chunk_bytes}) must leave 1 MiB of headroom under "
+                f"max_message_bytes ({self.max_message_bytes})")
+        if self.port < 0:
+            raise ConfigError("port: the gRPC listener cannot be disabled")
+        if not self.tls and not is_loopback(self.host) and not self.allow_insecure_remote:
+            raise ConfigError(
+                f"host {self.host!r} is not a loopback address and TLS is off: tokens and chunks "
+                "would cross the network in clear. Give --tls-cert/--tls-key, or pass "
+                "--allow-insecure-remote if the network is trusted")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def load_server_config(path: str | os.PathLike[str] | None = None,
+                       overrides: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None) -> ServerConfig:
+    """defaults < YAML ``path`` < ``KVTIER_SERVER_*`` env < ``overrides`` (dotted or nested)."""
+    merged: dict[str, Any] = {}
+    if path:
+        deep_merge(merged, read_yaml(Path(path)))
+    deep_merge(merged, env_to_dict(os.environ if env is None else env, prefix=ENV_PREFIX))
+    if overrides:
+        deep_merge(merged, nest(overrides))
+    cfg = from_dict(ServerConfig, merged)
+    cfg.validate()
+    return cfg
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"disk.path": x}`` -> ``{"disk": {"path": x}}``; nested mappings pass through."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out

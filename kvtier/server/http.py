@@ -1,0 +1,87 @@
+"""The HTTP side port: ``/metrics`` (Prometheus text), ``/healthz`` and ``/api/stats`` (JSON).
+
+A deliberately tiny HTTP/1.1 responder on the server's asyncio loop (stdlib only, no new
+dependency): GET only, one request per connection, bounded header size and read time.
+It exposes usage figures only (tenant names, bytes, counts), never keys or chunk bytes, and
+needs no token: bind the server to a trusted interface or firewall the port if tenant names
+are sensitive. Handlers are cheap reads of in-memory counters, so they run on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+_MAX_HEAD = 16 << 10
+_READ_TIMEOUT_S = 5.0
+
+
+class HttpSide:
+    """``stats`` returns the /api/stats document; ``metrics`` the exposition bytes;
+    ``serving`` says whether /healthz answers 200 (503 while draining)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], metrics: Callable[[], bytes],
+                 serving: Callable[[], bool]) -> None:
+        self.stats = stats
+        self.metrics = metrics
+        self.serving = serving
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
+            status, ctype, body = self._respond(head)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                ConnectionError):
+            status, ctype, body = 400, "text/plain", b"bad request\n"
+        except UnicodeDecodeError:
+            status, ctype, body = 400, "text/plain", b"bad request\n"
+        try:
+            writer.write(_response(status, ctype, body))
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def _respond(self, head: bytes) -> tuple[int, str, bytes]:
+        if len(head) > _MAX_HEAD:
+            return 431, "text/plain", b"request header too large\n"
+        line = head.split(b"\r\n", 1)[0].decode("ascii")
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, "text/plain", b"bad request line\n"
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method != "GET":
+            return 405, "text/plain", b"only GET\n"
+        if target == "/metrics":
+            return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics()
+        if target == "/healthz":
+            ok = self.serving()
+            return (200, "text/plain", b"ok\n") if ok else (503, "text/plain", b"draining\n")
+        if target == "/api/stats":
+            return 200, "application/json", json.dumps(self.stats(), indent=1).encode() + b"\n"
+        return 404, "text/plain", b"not found: try /metrics, /healthz, /api/stats\n"
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def _response(status: int, ctype: str, body: bytes) -> bytes:
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return head + body

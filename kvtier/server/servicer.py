@@ -1,0 +1,223 @@
+"""The gRPC side of kvtier-server: the ``kvtier.v1.KVTier`` service on grpc.aio.
+
+Handlers are registered with identity deserializers: requests arrive as raw bytes and are
+decoded by :mod:`kvtier.server.requests`, so a malformed message gets INVALID_ARGUMENT with a
+message instead of grpc's INTERNAL. Every storage call runs in the thread executor (disk I/O
+and multi-MiB copies must not stall the event loop); the loop only parses, authenticates and
+streams.
+
+Failure: a refused request is answered with its status (BadRequest/AuthError) and counted;
+an unexpected exception is logged with its traceback and answered INTERNAL by grpc, and the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from kvtier import __version__
+from kvtier.keys import KEY_BYTES
+from kvtier.server.auth import Authenticator, AuthError, Tenant
+from kvtier.server.gen import kvtier_pb2 as pb
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.requests import (
+    BadRequest,
+    Limits,
+    decode_info,
+    decode_keys,
+    decode_put,
+    decode_stats,
+)
+from kvtier.server.storage import Storage, TenantUsage
+from kvtier.tiers.base import Entry, Miss
+
+log = logging.getLogger(__name__)
+SERVICE = "kvtier.v1.KVTier"
+_GET_BATCH = 8  # keys per executor call while streaming a Get
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    kind: str
+    port: int
+    tls: bool
+    address: str = ""
+
+
+def tenant_of(auth: Authenticator, metadata: Sequence[tuple[str, Any]] | None) -> Tenant:
+    value = None
+    for key, val in metadata or ():
+        if key == "authorization":
+            value = val.decode() if isinstance(val, bytes) else str(val)
+            break
+    return auth.authenticate(value)
+
+
+class KVTierServicer:
+    """Owns nothing it is given; ``executor`` runs every storage call."""
+
+    def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
+                 executor: Executor, node_id: str, endpoints: Sequence[Endpoint] = ()) -> None:
+        self.storage = storage
+        self.auth = auth
+        self.limits = limits
+        self.metrics = metrics
+        self.executor = executor
+        self.node_id = node_id
+        self.endpoints = list(endpoints)
+        self.started = time.monotonic()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def ser(msg: Any) -> bytes:
+            return msg.SerializeToString()  # type: ignore[no-any-return]
+
+        handlers = {
+            "Info": grpc.unary_unary_rpc_method_handler(self._wrap("Info", self._info), response_serializer=ser),
+            "Lookup": grpc.unary_unary_rpc_method_handler(self._wrap("Lookup", self._lookup), response_serializer=ser),
+            "Delete": grpc.unary_unary_rpc_method_handler(self._wrap("Delete", self._delete), response_serializer=ser),
+            "Stats": grpc.unary_unary_rpc_method_handler(self._wrap("Stats", self._stats), response_serializer=ser),
+            "Put": grpc.stream_unary_rpc_method_handler(self._wrap("Put", self._put), response_serializer=ser),
+            "Get": grpc.unary_stream_rpc_method_handler(self._get, response_serializer=ser),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    # --- plumbing -----------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
+
+    def _tenant(self, context: aio.ServicerContext) -> Tenant:
+        return tenant_of(self.auth, context.invocation_metadata())
+
+    def _wrap(self, method: str, body: Callable[[Any, aio.ServicerContext], Awaitable[Any]]
+              ) -> Callable[[Any, aio.ServicerContext], Awaitable[Any]]:
+        async def handle(request: Any, context: aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                return await body(request, context)
+            except (BadRequest, AuthError) as exc:
+                code = self._refused(exc)
+                await context.abort(_status(exc), exc.message)
+            finally:
+                self.metrics.requests.labels(method, code).inc()
+                self.metrics.seconds.labels(method).observe(time.perf_counter() - start)
+        return handle
+
+    def _refused(self, exc: BadRequest | AuthError) -> str:
+        code = _status(exc)
+        if isinstance(exc, AuthError):
+            self.metrics.auth_failures.labels(code.name).inc()
+        elif "Put item" in exc.message:
+            self.metrics.rejected.labels(code.name).inc()
+        log.debug("refused: %s %s", code.name, exc.message)
+        return code.name
+
+    # --- RPCs ---------------------------------------------------------------------------------
+    async def _info(self, raw: bytes, context: aio.ServicerContext) -> pb.InfoReply:
+        tenant = self._tenant(context)
+        decode_info(raw)
+        reply = pb.InfoReply(
+            server_version=__version__, key_bytes=KEY_BYTES,
+            max_message_bytes=self.limits.max_message_bytes, max_chunk_bytes=self.limits.max_chunk_bytes,
+            max_batch_keys=self.limits.max_batch_keys, tenant=tenant.name,
+            auth_required=self.auth.enabled, node_id=self.node_id)
+        for ep in self.endpoints:
+            reply.data_endpoints.add(kind=ep.kind, address=ep.address, port=ep.port, tls=ep.tls)
+        return reply
+
+    async def _lookup(self, raw: bytes, context: aio.ServicerContext) -> pb.LookupReply:
+        store = self.storage.store(self._tenant(context).name)
+        keys = decode_keys(raw, "Lookup", self.limits)
+        probe = await self._run(store.probe, keys)
+        return pb.LookupReply(hits=probe.hits, reason=probe.reason)
+
+    async def _delete(self, raw: bytes, context: aio.ServicerContext) -> pb.DeleteReply:
+        store = self.storage.store(self._tenant(context).name)
+        keys = decode_keys(raw, "Delete", self.limits)
+        existed = await self._run(store.delete, keys)
+        return pb.DeleteReply(deleted=sum(existed), existed=existed)
+
+    async def _stats(self, raw: bytes, context: aio.ServicerContext) -> pb.StatsReply:
+        caller = self._tenant(context)
+        tenants = self.auth.authorize_stats(caller, decode_stats(raw))
+        usages = await self._run(lambda: [self.storage.store(t.name).usage() for t in tenants])
+        reply = pb.StatsReply(node_id=self.node_id, uptime_s=time.monotonic() - self.started)
+        for u in usages:
+            _fill_tenant(reply.tenants.add(), u)
+        return reply
+
+    async def _put(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> pb.PutReply:
+        store = self.storage.store(self._tenant(context).name)
+        stored: list[bool] = []
+        async for raw in requests:
+            entries = await self._run(self._decode_and_put, store, raw, len(stored))
+            stored.extend(entries)
+        return pb.PutReply(stored=stored)
+
+    def _decode_and_put(self, store: Any, raw: bytes, first: int) -> list[bool]:
+        entries: list[Entry] = decode_put(raw, self.limits, first)
+        results: list[bool] = store.put(entries)
+        self.metrics.bytes.labels("in", "grpc").inc(sum(len(e.data) for e in entries))
+        return results
+
+    async def _get(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[pb.GetReply]:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            store = self.storage.store(self._tenant(context).name)
+            keys = decode_keys(raw, "Get", self.limits)
+        except (BadRequest, AuthError) as exc:
+            code = self._refused(exc)
+            self.metrics.requests.labels("Get", code).inc()
+            await context.abort(_status(exc), exc.message)
+        # Replies stay under grpc's default 4 MiB receive limit (a client with default options
+        # can read them) unless a single chunk is bigger; Info advertises the real maximum.
+        budget = min(self.limits.max_message_bytes, 4 << 20) - (64 << 10)
+        sent = 0
+        try:
+            for base in range(0, len(keys), _GET_BATCH):
+                values = await self._run(store.get, keys[base : base + _GET_BATCH])
+                reply, size = pb.GetReply(), 0
+                for i, value in enumerate(values, base):
+                    if isinstance(value, Miss):
+                        reply.items.add(index=i, miss_reason=value.reason)
+                        continue
+                    if size + len(value) > budget and reply.items:
+                        yield reply
+                        reply, size = pb.GetReply(), 0
+                    reply.items.add(index=i, chunk=value)
+                    size += len(value)
+                    sent += len(value)
+                if reply.items:
+                    yield reply
+        finally:
+            self.metrics.bytes.labels("out", "grpc").inc(sent)
+            self.metrics.requests.labels("Get", code).inc()
+            self.metrics.seconds.labels("Get").observe(time.perf_counter() - start)
+
+
+def _status(exc: BadRequest | AuthError) -> grpc.StatusCode:
+    if isinstance(exc, BadRequest):
+        return exc.code
+    return getattr(grpc.StatusCode, exc.code)  # type: ignore[no-any-return]
+
+
+def _fill_tenant(msg: pb.TenantStats, u: TenantUsage) -> None:
+    msg.tenant = u.tenant
+    msg.used_bytes = u.used_bytes
+    msg.quota_bytes = u.quota_bytes
+    msg.entries = u.entries
+    msg.evictions = u.evictions
+    for t in u.tiers:
+        msg.tiers.add(name=t.name, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, entries=t.entries)

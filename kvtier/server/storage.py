@@ -1,0 +1,244 @@
+"""The server's chunk storage: one tier stack per tenant (RAM over an optional disk).
+
+Why one stack per tenant rather than one shared tier with tenant-prefixed keys: isolation is
+then structural (a request only ever reaches its own tenant's tier objects, so knowing
+another tenant's key gets nothing, not even a timing difference), the quota is just the
+capacity of the tenant's tiers (eviction stays inside the quota and never touches another
+tenant), and a restart rebuilds each tenant's index from its own directory
+(``<disk.path>/tenants/<tenant>``) because chunk headers carry client keys, not storage keys.
+
+Capacity: each of the ``n`` tenants gets ``min(quota, capacity // n)`` of each tier, where
+quota is the tenant's own or ``default_quota_bytes`` (0 = no quota beyond the share). With a
+disk tier the chunks are written through to disk (a Put is acknowledged once it is on disk,
+so it survives ``kill -9``) and the RAM tier caches them; without one RAM holds everything.
+
+Threads: every method may be called from any thread (the tiers serialise themselves); calls
+block on file I/O, so the gRPC side runs them in its executor. No torch is ever imported:
+the RAM tier is built with ``pin_memory="never"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import CpuTierConfig, DiskTierConfig
+from kvtier.policy import EvictionPolicy
+from kvtier.server.auth import Tenant
+from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+MIN_TIER_BYTES = 1 << 20  # CpuTierConfig/DiskTierConfig lower bound
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    tenant: str
+    used_bytes: int
+    quota_bytes: int
+    entries: int
+    evictions: int
+    tiers: tuple[TierUsage, ...]
+
+
+class TenantStore:
+    """One tenant's chunks. ``ram`` may be absent (cpu disabled), ``disk`` too (disk
+    disabled), never both. The bottom tier bounds the tenant: it is the quota."""
+
+    def __init__(self, tenant: Tenant, ram: CpuTier | None, disk: DiskTier | None) -> None:
+        if ram is None and disk is None:
+            raise ValueError("a tenant store needs a RAM tier, a disk tier or both")
+        self.tenant = tenant
+        self.ram = ram
+        self.disk = disk
+        self.tiers: tuple[Tier, ...] = tuple(t for t in (ram, disk) if t is not None)
+        self.bottom = self.tiers[-1]
+        self.max_chunk_bytes = disk.capacity_bytes if disk is not None else ram.slot_bytes  # type: ignore[union-attr]
+        # Count evictions through the tiers' pluggable policy: an evict listener would make
+        # the tiers copy (RAM) or re-read (disk) every victim just to be counted.
+        self.counters = {t.name: _count_evictions(t) for t in self.tiers}
+
+    @property
+    def quota_bytes(self) -> int:
+        return self.bottom.usage().capacity_bytes
+
+    def probe(self, keys: Sequence[bytes]) -> Probe:
+        """Leading keys present in any of the tenant's tiers."""
+        if len(self.tiers) == 1:
+            return self.tiers[0].probe(keys)
+        hits, reason = 0, "absent"
+        while hits < len(keys):
+            advanced = False
+            for tier in self.tiers:
+                p = tier.probe(keys[hits:])
+                if p.hits:
+                    hits += p.hits
+                    advanced = True
+                else:
+                    reason = p.reason
+                if hits == len(keys):
+                    break
+            if not advanced:
+                return Probe(hits, reason)
+        return Probe(hits)
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
+        """Chunks (fresh bytes) or misses; a disk hit is promoted into RAM."""
+        first = self.tiers[0].get(keys)
+        if len(self.tiers) == 1 or self.disk is None:
+            return first
+        missing = [i for i, v in enumerate(first) if isinstance(v, Miss)]
+        if not missing:
+            return first
+        found = self.disk.get([keys[i] for i in missing])
+        promote: list[Entry] = []
+        for i, value in zip(missing, found):
+            first[i] = value
+            if not isinstance(value, Miss):
+                promote.append(Entry(keys[i], value))
+        if promote and self.ram is not None:
+            self.ram.put(promote)
+        return first
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
+        """Chunks copied into ``outs`` (no allocation); a disk hit is promoted into RAM.
+        Raises ValueError when a chunk does not fit its buffer (as the tiers do)."""
+        first = self.tiers[0].get_into(keys, outs)
+        if self.disk is None or self.tiers[0] is self.disk:
+            return first
+        missing = [i for i, v in enumerate(first) if isinstance(v, Miss)]
+        if not missing:
+            return first
+        found = self.disk.get_into([keys[i] for i in missing], [outs[i] for i in missing])
+        promote: list[Entry] = []
+        for i, value in zip(missing, found):
+            first[i] = value
+            if not isinstance(value, Miss):
+                promote.append(Entry(keys[i], outs[i][:value]))
+        if promote and self.ram is not None:
+            self.ram.put(promote)
+        return first
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]:
+        """Stored when the bottom tier (the tenant's quota) took it; RAM is a cache."""
+        if self.disk is None:
+            assert self.ram is not None
+            return self.ram.put(entries)
+        stored = self.disk.put(entries)
+        if self.ram is not None:
+            kept = [e for e, ok in zip(entries, stored) if ok]
+            if kept:
+                self.ram.put(kept)
+        return stored
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: whether it was present in any tier."""
+        existed = [False] * len(keys)
+        for tier in self.tiers:
+            for i, key in enumerate(keys):
+                if tier.delete([key]):
+                    existed[i] = True
+        return existed
+
+    def usage(self) -> TenantUsage:
+        tiers = tuple(t.usage() for t in self.tiers)
+        bottom = tiers[-1]
+        return TenantUsage(self.tenant.name, bottom.used_bytes, bottom.capacity_bytes,
+                           bottom.entries, self.evictions(), tiers)
+
+    def evictions(self) -> int:
+        """Chunks the bottom tier evicted to stay within the quota."""
+        return self.counters[self.bottom.name].evicted
+
+    def check(self) -> list[str]:
+        return [f"{self.tenant.name}/{t.name}: {p}" for t in self.tiers for p in t.check()]
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+class CountingPolicy:
+    """Wraps a tier's eviction policy and counts the victims it picks."""
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.evicted = 0
+
+    def evict(self) -> bytes:
+        victim = self.inner.evict()
+        self.evicted += 1  # called under the tier's lock
+        return victim
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def _count_evictions(tier: Tier) -> CountingPolicy:
+    counting = CountingPolicy(tier.policy)  # type: ignore[attr-defined]
+    tier.policy = counting  # type: ignore[attr-defined]
+    return counting
+
+
+class Storage:
+    """Every tenant's store, built at start (so each disk index is rebuilt at start)."""
+
+    def __init__(self, tenants: Iterable[Tenant], cpu: CpuTierConfig, disk: DiskTierConfig,
+                 default_quota_bytes: int = 0) -> None:
+        tenants = list(tenants)
+        if not cpu.enabled and not disk.enabled:
+            raise ValueError("the server needs the cpu tier, the disk tier or both enabled")
+        n = max(1, len(tenants))
+        self.stores: dict[str, TenantStore] = {}
+        try:
+            for tenant in tenants:
+                quota = tenant.quota_bytes or default_quota_bytes
+                ram = disk_tier = None
+                if cpu.enabled:
+                    cap = _share(cpu.capacity_bytes, n, quota if not disk.enabled else 0)
+                    slot = min(cpu.slot_bytes, cap)
+                    ram = CpuTier(dataclasses.replace(
+                        cpu, capacity_bytes=cap, slot_bytes=slot, pin_memory="never"), name="cpu")
+                if disk.enabled:
+                    cap = _share(disk.capacity_bytes, n, quota)
+                    path = Path(disk.path).expanduser() / "tenants" / tenant.name
+                    disk_tier = DiskTier(dataclasses.replace(disk, path=str(path), capacity_bytes=cap),
+                                         name="disk")
+                    stats = disk_tier.rebuild_stats
+                    log.info("tenant %s: disk index rebuilt: %d chunks, %d bytes, %d bad files removed",
+                             tenant.name, stats.files, stats.bytes, stats.bad)
+                self.stores[tenant.name] = TenantStore(tenant, ram, disk_tier)
+        except BaseException:
+            self.close()
+            raise
+
+    def store(self, tenant: str) -> TenantStore:
+        return self.stores[tenant]
+
+    def max_chunk_bytes(self) -> int:
+        return min(s.max_chunk_bytes for s in self.stores.values())
+
+    def check(self) -> list[str]:
+        return [p for s in self.stores.values() for p in s.check()]
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
+
+def _share(capacity: int, tenants: int, quota: int) -> int:
+    share = max(MIN_TIER_BYTES, capacity // tenants)
+    return max(MIN_TIER_BYTES, min(quota, share)) if quota else share

@@ -1,0 +1,423 @@
+"""Client of a kvtier-server data port (kvtier.wire frames over TCP or TLS).
+
+A small pool of connections per node; a verb checks one out, runs one request on it and
+puts it back, so concurrent callers use separate connections (up to ``connections``, then
+they wait for one within their deadline). A connection that fails or times out mid-request
+is closed (its framing is lost), never reused.
+
+Shared memory (``shm=True``, same host): each connection asks the server for a segment in
+/dev/shm and maps it; chunks then travel as references into it (one copy on each side, none
+in the kernel). If the segment cannot be mapped (another user, another /dev/shm), that
+connection and the later ones stay on the socket.
+
+Zero-copy: ``get_into`` has each chunk body ``recv_into`` the caller's buffer; ``get`` reads
+each body with one ``recv(n, MSG_WAITALL)`` into a fresh ``bytes`` it returns as is (plain
+TCP; TLS copies once out of the reader's buffer); ``put`` sends header and the caller's
+buffer with one ``sendmsg``. Deadlines on plain TCP are SO_RCVTIMEO/SO_SNDTIMEO set to the
+time left before every frame, so a blocking ``MSG_WAITALL`` read still ends in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss
+from kvtier.tiers.grpc_node import REFUSALS, NodeError, check_chunk
+from kvtier.wire import (
+    CHUNK,
+    SHM_READY,
+    Frame,
+    FrameReader,
+    ProtocolError,
+    ShmRef,
+    WireLimits,
+    encode_get,
+    encode_hello,
+    encode_put,
+    encode_put_ref,
+    encode_shm_mapped,
+    encode_shm_open,
+    parse_put_reply,
+    parse_shm_ready,
+    parse_text,
+    parse_welcome,
+)
+from kvtier.wire import (
+    ERROR as FRAME_ERROR,
+)
+from kvtier.wire_io import read_frame, send_all
+from kvtier.wire_session import GetReplyCollector
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_REARM_S = 0.01
+_SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^kvtier-[0-9]+-[0-9a-f]{24}$")
+_REQUEST_CODES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, limits: WireLimits) -> None:
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.targets: Sequence[memoryview] | None = None  # get_into destinations, by index
+        self.overflow: dict[int, int] = {}  # index -> length of a chunk too big for its target
+        self._armed = 0.0  # seconds SO_RCVTIMEO/SO_SNDTIMEO hold now (plain TCP)
+        self.reused = False  # taken from the idle pool (the server may have closed it meanwhile)
+        self.shm: memoryview | None = None  # this connection's shared segment, once mapped
+        self._shm_map: mmap.mmap | None = None
+        self.reader = FrameReader(limits, self._target)
+
+    def _target(self, header: object) -> memoryview | None:
+        if self.targets is None or getattr(header, "type", None) != CHUNK:
+            return None
+        index = header.count  # type: ignore[attr-defined]
+        if index >= len(self.targets) or self.targets[index].nbytes < header.length:  # type: ignore[attr-defined]
+            self.overflow[index] = header.length  # type: ignore[attr-defined]
+            return None  # the reader's own buffer takes it; the caller gets a ValueError
+        return self.targets[index]
+
+    def set_deadline(self, deadline: float) -> None:
+        """Bound the next socket calls by ``deadline``. Plain TCP re-arms SO_RCVTIMEO/SNDTIMEO
+        (two syscalls) only when a call started now could end before the deadline or more than
+        _REARM_S after it: once per request, then every _REARM_S, rather than once per frame."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if self.tls:
+            self.sock.settimeout(left)
+            return
+        if self._armed_until - deadline <= _REARM_S and self._armed_until >= deadline:
+            return
+        tv = struct.pack("ll", int(left), int((left % 1) * 1e6) or 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._armed = left
+
+    @property
+    def _armed_until(self) -> float:
+        """Latest moment a socket call started now could block until."""
+        return time.monotonic() + self._armed
+
+    def read(self, deadline: float) -> Frame:
+        self.set_deadline(deadline)
+        if self.tls or self.targets is not None:
+            return read_frame(self.sock, self.reader)
+        # Header by recv_into; a body that is a chunk: one MSG_WAITALL recv into fresh bytes,
+        # handed to the reader whole, so the bytes object itself becomes the result.
+        while True:
+            n = self.sock.recv_into(self.reader.buffer())
+            if n == 0:
+                raise ConnectionError("node closed the data connection")
+            frame = self.reader.advance(n)
+            if frame is not None:
+                return frame
+            if self.reader.need() > 4096:
+                while True:
+                    data = self.sock.recv(self.reader.need(), socket.MSG_WAITALL)
+                    if not data:
+                        raise ConnectionError("node closed the data connection")
+                    frames = self.reader.feed(data)
+                    if frames:
+                        return frames[0]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.shm = None
+        if self._shm_map is not None:
+            try:
+                self._shm_map.close()
+            except BufferError:  # a caller still holds a view: the GC unmaps it later
+                pass
+            self._shm_map = None
+
+    def open_shm(self, deadline: float) -> bool:
+        """Ask for a shared segment and map it; False (socket only) when either side cannot."""
+        send_all(self.sock, encode_shm_open())
+        frame = self.read(deadline)
+        if frame.type != SHM_READY:
+            return False  # ERROR: the server has it off
+        name, size = parse_shm_ready(frame)
+        mapping = None
+        if _SHM_NAME.match(name):
+            try:
+                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    if os.fstat(fd).st_size >= size:  # mapping past the end would SIGBUS on use
+                        mapping = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.info("data path: cannot map the server's segment %s (%s): socket only", name, exc)
+        send_all(self.sock, encode_shm_mapped(mapping is not None))
+        if mapping is None:
+            return False
+        self._shm_map, self.shm = mapping, memoryview(mapping)
+        return True
+
+    def resolve(self, ref: ShmRef, target: memoryview | None) -> bytes | int:
+        """Copy a referenced chunk out of the segment (before the connection is reused)."""
+        if self.shm is None or not ref.within(self.shm.nbytes):
+            raise ProtocolError(f"reference {ref} outside the mapped segment")
+        src = self.shm[ref.offset : ref.offset + ref.length]
+        if target is None:
+            return bytes(src)
+        if target.nbytes < ref.length:
+            raise ValueError(f"buffer of {target.nbytes} bytes is too small for a {ref.length}-byte chunk")
+        target[: ref.length] = src
+        return ref.length
+
+
+class SocketDataPath:
+    """Thread-safe; see the module docstring."""
+
+    def __init__(self, host: str, port: int, token: str, tls: ssl.SSLContext | None,
+                 server_hostname: str, limits: WireLimits, connections: int, shm: bool = False) -> None:
+        self.host = host
+        self.port = port
+        self.token = token
+        self.tls = tls
+        self.server_hostname = server_hostname
+        self.limits = limits
+        self.shm = shm  # still wanted: cleared when a segment cannot be mapped
+        self._idle: list[_Conn] = []
+        self._slots = threading.BoundedSemaphore(connections)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # --- connections ------------------------------------------------------------------------------
+    def connect(self, deadline: float) -> _Conn:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NodeError(TIMEOUT, True, f"data path {self.host}:{self.port}: no time left to connect")
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=left)
+        except TimeoutError:
+            raise NodeError(TIMEOUT, True, f"data path {self.host}:{self.port}: connect timed out") from None
+        except OSError as exc:
+            raise NodeError(NODE_DOWN, True, f"data path {self.host}:{self.port}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.server_hostname)
+            else:
+                sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO/SO_SNDTIMEO
+            conn = _Conn(sock, self.limits)
+            conn.set_deadline(deadline)
+            send_all(conn.sock, encode_hello(self.token))
+            frame = conn.read(deadline)
+            if frame.type == FRAME_ERROR:
+                code = _REQUEST_CODES.get(frame.header.count, "UNKNOWN")
+                raise NodeError(ERROR, True, f"data path {self.host}:{self.port}: {code}: {parse_text(frame)}", code)
+            parse_welcome(frame)
+            if self.shm and not conn.open_shm(deadline):
+                self.shm = False
+            return conn
+        except NodeError:
+            sock.close()
+            raise
+        except (OSError, ProtocolError, ssl.SSLError) as exc:
+            sock.close()
+            raise _io_error(exc, f"data path {self.host}:{self.port} handshake") from None
+
+    def _checkout(self, deadline: float) -> _Conn:
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise NodeError(TIMEOUT, False, f"data path {self.host}:{self.port}: no free connection in time")
+        with self._lock:
+            if self._closed:
+                self._slots.release()
+                raise NodeError(NODE_DOWN, False, "data path closed")
+            if self._idle:
+                conn = self._idle.pop()
+                conn.reused = True
+                return conn
+        try:
+            return self.connect(deadline)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _checkin(self, conn: _Conn, ok: bool) -> None:
+        conn.targets = None
+        conn.overflow = {}
+        with self._lock:
+            if ok and not self._closed:
+                self._idle.append(conn)
+                conn = None  # type: ignore[assignment]
+        if conn is not None:
+            conn.close()
+        self._slots.release()
+
+    # --- verbs ------------------------------------------------------------------------------------
+    def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
+        out: list[bytes | Miss] = []
+        for base in range(0, len(keys), self.limits.max_batch_keys):
+            batch = keys[base : base + self.limits.max_batch_keys]
+            results = self._retry(self._get, batch, None, deadline)
+            for key, r in zip(batch, results):
+                if isinstance(r, str):
+                    out.append(Miss(r))
+                else:
+                    assert isinstance(r, bytes)  # into=False: bodies come back as bytes
+                    out.append(check_chunk(key, r))
+        return out
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: float) -> list[int | Miss]:
+        out: list[int | Miss] = []
+        step = self.limits.max_batch_keys
+        for base in range(0, len(keys), step):
+            batch, views = keys[base : base + step], outs[base : base + step]
+            for key, view, r in zip(batch, views, self._retry(self._get, batch, views, deadline)):
+                if isinstance(r, str):
+                    out.append(Miss(r))
+                else:
+                    assert isinstance(r, int)  # into=True, references resolved
+                    n = r
+                    checked = check_chunk(key, view[:n])
+                    out.append(n if not isinstance(checked, Miss) else checked)
+        return out
+
+    def _retry(self, op: Callable[..., T], *args: Any) -> T:
+        """Run ``op``; when it found a pooled connection dead (the server closes connections
+        idle for 10 minutes, or restarted), drop the idle pool and run it once more on a fresh
+        connection (GET and PUT are idempotent)."""
+        try:
+            return op(*args)
+        except _Stale:
+            with self._lock:
+                idle, self._idle = self._idle, []
+            for conn in idle:
+                conn.close()
+            try:
+                return op(*args)
+            except _Stale:
+                raise NodeError(NODE_DOWN, False, f"data path {self.host}:{self.port}: connection lost") from None
+
+    def _get(self, keys: Sequence[bytes], targets: Sequence[memoryview] | None,
+             deadline: float) -> list[bytes | int | str | ShmRef]:
+        conn = self._checkout(deadline)
+        ok = False
+        try:
+            conn.set_deadline(deadline)
+            conn.targets = targets
+            send_all(conn.sock, encode_get(keys))
+            collector = GetReplyCollector(len(keys), into=targets is not None)
+            results = collector.results
+            value_error: ValueError | None = None
+            while not collector.done:
+                collector.accept(conn.read(deadline))
+                last = results[-1] if results else None
+                if isinstance(last, ShmRef):  # copy it out now, while the server fills the next
+                    i = len(results) - 1
+                    try:
+                        results[i] = conn.resolve(last, targets[i] if targets is not None else None)
+                    except ValueError as exc:  # the caller's buffer is too small: drain first
+                        value_error, results[i] = exc, "error"
+            ok = True
+            if value_error is not None:
+                raise value_error
+            overflow, conn.overflow = conn.overflow, {}
+        except (OSError, ProtocolError, ssl.SSLError) as exc:
+            if conn.reused and isinstance(exc, ConnectionError):
+                raise _Stale from None
+            raise _io_error(exc, f"data path {self.host}:{self.port} GET") from None
+        finally:
+            self._checkin(conn, ok)
+        if collector.error is not None:
+            raise _refused(collector.error, f"data path {self.host}:{self.port} GET")
+        if overflow and targets is not None:  # the reply was drained: the connection is fine
+            i, n = next(iter(overflow.items()))
+            raise ValueError(f"buffer of {targets[i].nbytes} bytes is too small for a {n}-byte chunk")
+        return collector.results
+
+    def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+        out: list[bool] = []
+        step = self.limits.max_batch_keys
+        for base in range(0, len(entries), step):
+            out += self._retry(self._put, entries[base : base + step], deadline)
+        return out
+
+    def _put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+        conn = self._checkout(deadline)
+        ok = False
+        try:
+            conn.set_deadline(deadline)
+            last = len(entries) - 1
+            if conn.shm is not None:
+                self._put_shm(conn, entries)
+            else:
+                parts: list[bytes | bytearray | memoryview] = []
+                for i, e in enumerate(entries):  # one sendmsg for many frames; chunks never copied
+                    parts += encode_put(e.key, memoryview(e.data).cast("B"), e.depth, e.parent, i < last)
+                send_all(conn.sock, parts)
+            frame = conn.read(deadline)
+            ok = True
+            if frame.type == FRAME_ERROR:
+                raise _refused((frame.header.count, parse_text(frame)), f"data path {self.host}:{self.port} PUT")
+            return parse_put_reply(frame, len(entries))
+        except (OSError, ProtocolError, ssl.SSLError) as exc:
+            ok = False
+            if conn.reused and isinstance(exc, ConnectionError):
+                raise _Stale from None
+            raise _io_error(exc, f"data path {self.host}:{self.port} PUT") from None
+        finally:
+            self._checkin(conn, ok)
+
+    @staticmethod
+    def _put_shm(conn: _Conn, entries: Sequence[Entry]) -> None:
+        """Copy each chunk into the segment and send its reference at once (the server
+        verifies chunk i while chunk i+1 is copied); what does not fit goes inline."""
+        assert conn.shm is not None
+        offset, last = 0, len(entries) - 1
+        for i, e in enumerate(entries):
+            data = memoryview(e.data).cast("B")
+            n = data.nbytes
+            if offset + n <= conn.shm.nbytes:
+                conn.shm[offset : offset + n] = data
+                send_all(conn.sock, encode_put_ref(e.key, offset, n, e.depth, e.parent, i < last))
+                offset += (n + 63) & ~63
+            else:
+                send_all(conn.sock, encode_put(e.key, data, e.depth, e.parent, i < last))
+
+    @property
+    def kind(self) -> str:
+        return "shm" if self.shm else "socket"
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class _Stale(Exception):
+    """A connection from the idle pool turned out closed by the peer."""
+
+
+def _io_error(exc: BaseException, what: str) -> NodeError:
+    if isinstance(exc, (TimeoutError, BlockingIOError)):
+        return NodeError(TIMEOUT, True, f"{what}: timed out")
+    if isinstance(exc, ProtocolError):
+        return NodeError(ERROR, False, f"{what}: protocol error: {exc}")
+    return NodeError(NODE_DOWN, False, f"{what}: {exc}")
+
+
+def _refused(error: tuple[int, str], what: str) -> NodeError:
+    code = _REQUEST_CODES.get(error[0], "UNKNOWN")
+    return NodeError(ERROR, code not in REFUSALS, f"{what}: {code}: {error[1]}", code)

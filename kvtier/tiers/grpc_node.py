@@ -1,0 +1,368 @@
+"""One kvtier-server node as the grpc tier sees it: channel, RPCs, data path, liveness.
+
+Every call takes an absolute ``deadline`` (``time.monotonic()`` seconds) and either returns
+or raises :class:`NodeError` by then; a NodeError says whether the node itself failed
+(``down``: transport error, timeout, auth refused) or only the request was refused.
+
+Threads: all methods may be called from any thread; the grpc channel is thread-safe, the
+data-path connections are pooled (one caller per connection at a time) and liveness state
+changes under a lock.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import random
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from kvtier.chunk import decode_header
+from kvtier.config import GrpcTierConfig
+from kvtier.errors import ChunkError, TierUnavailableError
+from kvtier.server.gen import kvtier_pb2 as pb
+from kvtier.server.gen import kvtier_pb2_grpc as pb_grpc
+from kvtier.tiers.base import CORRUPT, ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe
+from kvtier.wire import WireLimits
+
+if TYPE_CHECKING:
+    from kvtier.tiers.grpc_data import SocketDataPath
+
+log = logging.getLogger(__name__)
+B = TypeVar("B", bytes, memoryview)
+_DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long
+_PUT_MESSAGE_BYTES = 8 << 20  # chunks per PutRequest message, by bytes (bigger: more latency)
+# Refusals of the request, not failures of the node: the node stays up.
+_REQUEST_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+                   grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE}
+REFUSALS = frozenset(c.name for c in _REQUEST_ERRORS)
+
+
+class NodeError(Exception):
+    """A call to a node failed. ``reason`` is the miss reason to report; ``down`` whether the
+    node should be marked down (transport/timeout/auth) rather than just this request refused."""
+
+    def __init__(self, reason: str, down: bool, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.down = down
+        self.code = code
+
+
+def rpc_error(exc: grpc.RpcError, what: str) -> NodeError:
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    message = f"{what}: {code.name if code else '?'}: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return NodeError(TIMEOUT, True, message, "DEADLINE_EXCEEDED")
+    if code in _REQUEST_ERRORS:
+        return NodeError(ERROR, False, message, code.name)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return NodeError(NODE_DOWN, True, message, code.name)
+    return NodeError(ERROR, True, message, code.name if code else "UNKNOWN")
+
+
+def read_token(cfg: GrpcTierConfig) -> str:
+    if cfg.token:
+        return cfg.token
+    if cfg.token_file:
+        try:
+            return Path(cfg.token_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise TierUnavailableError(f"grpc tier: token_file {cfg.token_file}: {exc.strerror}") from exc
+    return ""
+
+
+def channel_credentials(cfg: GrpcTierConfig) -> grpc.ChannelCredentials | None:
+    if not (cfg.tls or cfg.tls_ca):
+        return None
+    try:
+        def read(p: str) -> bytes | None:
+            return Path(p).expanduser().read_bytes() if p else None
+        return grpc.ssl_channel_credentials(read(cfg.tls_ca), read(cfg.tls_key), read(cfg.tls_cert))
+    except OSError as exc:
+        raise TierUnavailableError(f"grpc tier: TLS file: {exc}") from exc
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def client_ssl_context(cfg: GrpcTierConfig) -> ssl.SSLContext:
+    """TLS for the data path, from the same files as the channel credentials."""
+    try:
+        ctx = ssl.create_default_context(cafile=os.path.expanduser(cfg.tls_ca) if cfg.tls_ca else None)
+        if cfg.tls_cert:
+            ctx.load_cert_chain(os.path.expanduser(cfg.tls_cert), os.path.expanduser(cfg.tls_key))
+    except (OSError, ssl.SSLError) as exc:
+        raise TierUnavailableError(f"grpc tier: TLS files: {exc}") from exc
+    return ctx
+
+
+def channel_options(cfg: GrpcTierConfig) -> list[tuple[str, Any]]:
+    backoff_ms = int(min(cfg.backoff_s, cfg.backoff_max_s) * 1000)
+    opts: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        # Chunks are MiBs: a 16 MiB stream window and large frames keep the pipe full.
+        ("grpc.http2.lookahead_bytes", 16 << 20),
+        ("grpc.http2.max_frame_size", (1 << 24) - 1),
+        ("grpc.http2.write_buffer_size", 8 << 20),
+        # The tier does its own failover and backoff; grpc's reconnect backoff (up to 120 s by
+        # default) would keep a restarted node unreachable long after it is back.
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", max(backoff_ms, 50)),
+        ("grpc.min_reconnect_backoff_ms", max(backoff_ms, 50)),
+        ("grpc.max_reconnect_backoff_ms", max(int(cfg.backoff_max_s * 1000), 100)),
+    ]
+    if cfg.tls_server_name:
+        opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+    return opts
+
+
+class NodeClient:
+    def __init__(self, address: str, cfg: GrpcTierConfig, token: str,
+                 credentials: grpc.ChannelCredentials | None) -> None:
+        self.address = address
+        self.cfg = cfg
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        options = channel_options(cfg)
+        self.channel = (grpc.secure_channel(address, credentials, options) if credentials is not None
+                        else grpc.insecure_channel(address, options))
+        self.stub = pb_grpc.KVTierStub(self.channel)
+        self.info: pb.InfoReply | None = None
+        self.max_chunk_bytes = cfg.max_message_bytes - (1 << 20)
+        self.data: SocketDataPath | None = None  # the fast path, once Info advertised one
+        self._data_retry_at = 0.0
+        self._token = token
+        self.host = address.rsplit(":", 1)[0].strip("[]")
+        self._lock = threading.Lock()
+        self.up = True
+        self.down_reason = ""
+        self.backoff = cfg.backoff_s
+        self.next_probe = 0.0
+
+    # --- liveness -------------------------------------------------------------------------------
+    def mark_down(self, reason: str) -> bool:
+        """Returns True when this call took the node down (it was up)."""
+        with self._lock:
+            was_up = self.up
+            if was_up:
+                self.backoff = self.cfg.backoff_s
+            else:
+                self.backoff = min(self.backoff * 2, self.cfg.backoff_max_s)
+            self.up = False
+            self.down_reason = reason
+            # Jitter so that many clients do not probe a recovering node in lockstep.
+            self.next_probe = time.monotonic() + self.backoff * random.uniform(0.8, 1.2)
+        if was_up:
+            log.warning("grpc tier: node %s down (%s); probing again in %.2fs", self.address, reason, self.backoff)
+        return was_up
+
+    def mark_up(self) -> None:
+        with self._lock:
+            was_down = not self.up
+            self.up = True
+            self.backoff = self.cfg.backoff_s
+        if was_down:
+            log.info("grpc tier: node %s is back", self.address)
+
+    # --- control plane ---------------------------------------------------------------------------
+    def _timeout(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NodeError(TIMEOUT, False, f"{self.address}: no time left before the deadline")
+        return left
+
+    def fetch_info(self, deadline: float) -> pb.InfoReply:
+        try:
+            info = self.stub.Info(pb.InfoRequest(), timeout=self._timeout(deadline), metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, f"{self.address} Info") from None
+        self.info = info
+        self.max_chunk_bytes = min(info.max_chunk_bytes, self.cfg.max_message_bytes - (1 << 20))
+        self.attach_data_path(deadline)
+        return info
+
+    def attach_data_path(self, deadline: float) -> None:
+        """Open the fastest data path ``config.data_path`` allows among those Info advertised;
+        on failure (or none advertised) chunk bytes use gRPC and a retry comes later."""
+        old, self.data = self.data, None
+        if old is not None:
+            old.close()
+        kinds = {e.kind: e for e in self.info.data_endpoints} if self.info else {}
+        endpoint = kinds.get("socket")
+        if self.cfg.data_path == "grpc" or endpoint is None or self.info is None:
+            return
+        host = endpoint.address or self.host
+        # Shared memory only towards this host: "auto" takes it for a loopback address, "shm"
+        # asks for it whatever the address (a node reached by another name on this host).
+        shm = "shm" in kinds and (self.cfg.data_path == "shm" or
+                                  (self.cfg.data_path == "auto" and is_loopback(host)))
+        tls = client_ssl_context(self.cfg) if endpoint.tls else None
+        from kvtier.tiers.grpc_data import SocketDataPath  # imports this module: import late
+
+        data = SocketDataPath(host, endpoint.port, self._token, tls, self.cfg.tls_server_name or host,
+                              WireLimits(self.max_chunk_bytes, self.info.max_batch_keys or 4096),
+                              self.cfg.connections, shm=shm)
+        try:
+            data._checkin(data._checkout(deadline), True)  # connect + handshake now: fail early
+        except NodeError as exc:
+            data.close()
+            self._data_retry_at = time.monotonic() + _DATA_RETRY_S
+            log.warning("grpc tier: %s: data path unusable (%s); chunk bytes go over gRPC", self.address, exc)
+            return
+        self.data = data
+        log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
+
+    def lookup_future(self, keys: Sequence[bytes], deadline: float) -> grpc.Future:
+        return self.stub.Lookup.future(pb.LookupRequest(keys=keys), timeout=self._timeout(deadline),
+                                       metadata=self.metadata)
+
+    def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
+        try:
+            reply = self.lookup_future(keys, deadline).result()
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, f"{self.address} Lookup") from None
+        return Probe(reply.hits, reply.reason or "absent")
+
+    def delete(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
+        try:
+            reply = self.stub.Delete(pb.DeleteRequest(keys=keys), timeout=self._timeout(deadline),
+                                     metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, f"{self.address} Delete") from None
+        return list(reply.existed)
+
+    def stats(self, deadline: float, tenant: str = "") -> pb.StatsReply:
+        try:
+            return self.stub.Stats(pb.StatsRequest(tenant=tenant), timeout=self._timeout(deadline),
+                                   metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, f"{self.address} Stats") from None
+
+    # --- chunk bytes over gRPC ------------------------------------------------------------------
+    def grpc_get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
+        out: list[bytes | Miss] = [Miss(ERROR)] * len(keys)
+        try:
+            for reply in self.stub.Get(pb.GetRequest(keys=keys), timeout=self._timeout(deadline),
+                                       metadata=self.metadata):
+                for item in reply.items:
+                    if item.index >= len(keys):
+                        raise NodeError(ERROR, True, f"{self.address}: Get reply index {item.index} out of range")
+                    out[item.index] = (Miss(item.miss_reason or ERROR) if item.miss_reason
+                                       else check_chunk(keys[item.index], item.chunk))
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, f"{self.address} Get") from None
+        return out
+
+    def grpc_put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+        try:
+            reply = self.stub.Put(_put_messages(entries), timeout=self._timeout(deadline),
+                                  metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, f"{self.address} Put") from None
+        stored = list(reply.stored)
+        if len(stored) != len(entries):
+            raise NodeError(ERROR, True, f"{self.address}: Put replied {len(stored)} flags for {len(entries)} chunks")
+        return stored
+
+    # --- chunk bytes, fastest path --------------------------------------------------------------
+    def _data_path(self, deadline: float) -> SocketDataPath | None:
+        if self.data is None and self.info is not None and self._data_retry_at and \
+                time.monotonic() >= self._data_retry_at:
+            self._data_retry_at = 0.0
+            self.attach_data_path(deadline)
+        return self.data
+
+    def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
+        data = self._data_path(deadline)
+        if data is not None:
+            try:
+                return data.get(keys, deadline)
+            except NodeError as exc:
+                if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
+                    raise
+                self._data_failed(exc)
+        return self.grpc_get(keys, deadline)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: float) -> list[int | Miss]:
+        data = self._data_path(deadline)
+        if data is not None:
+            try:
+                return data.get_into(keys, outs, deadline)
+            except NodeError as exc:
+                if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
+                    raise
+                self._data_failed(exc)
+        results: list[int | Miss] = []
+        for value, out in zip(self.grpc_get(keys, deadline), outs):
+            if isinstance(value, Miss):
+                results.append(value)
+                continue
+            if len(value) > out.nbytes:
+                raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {len(value)}-byte chunk")
+            out[: len(value)] = value
+            results.append(len(value))
+        return results
+
+    def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+        data = self._data_path(deadline)
+        if data is not None:
+            try:
+                return data.put(entries, deadline)
+            except NodeError as exc:
+                if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
+                    raise
+                self._data_failed(exc)
+        return self.grpc_put(entries, deadline)
+
+    def _data_failed(self, exc: NodeError) -> None:
+        """The data path broke but the node may be fine: use gRPC until the next Info."""
+        log.warning("grpc tier: data path to %s failed (%s); using gRPC for %.0fs", self.address, exc,
+                    _DATA_RETRY_S)
+        self._data_retry_at = time.monotonic() + _DATA_RETRY_S
+        data, self.data = self.data, None
+        if data is not None:
+            data.close()
+
+    def close(self) -> None:
+        if self.data is not None:
+            self.data.close()
+            self.data = None
+        self.channel.close()
+
+
+def check_chunk(key: bytes, chunk: B) -> B | Miss:
+    """Cheap guard on what a node returns: a chunk header (checksummed) naming ``key``.
+    The payload checksum is left to the reader that decodes the chunk."""
+    try:
+        header = decode_header(chunk)
+    except ChunkError:
+        return Miss(CORRUPT)
+    return chunk if header.key == key and header.nbytes == len(chunk) else Miss(CORRUPT)
+
+
+def _put_messages(entries: Sequence[Entry]) -> Any:
+    msg, size = pb.PutRequest(), 0
+    for e in entries:
+        if msg.items and size + len(e.data) > _PUT_MESSAGE_BYTES:
+            yield msg
+            msg, size = pb.PutRequest(), 0
+        msg.items.add(key=e.key, chunk=bytes(e.data), depth=e.depth, parent=e.parent)
+        size += len(e.data)
+    if msg.items:
+        yield msg

@@ -1,0 +1,100 @@
+"""kvtier.wire's conversation rules, sans-I/O: which frame may come when, on each side.
+
+:class:`ServerSession` checks the order of what a client sends (HELLO first, then GETs, PUT
+batches and the shared-memory handshake) and decodes each frame into a request;
+:class:`GetReplyCollector` checks the frames answering one GET. Both raise
+:class:`~kvtier.wire.ProtocolError` for anything out of place; the connection is then unusable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.wire import (
+    CHUNK,
+    ERROR,
+    GET,
+    MISS,
+    PUT,
+    SHM,
+    SHM_MAPPED,
+    SHM_OPEN,
+    TYPE_NAMES,
+    Frame,
+    ProtocolError,
+    PutItem,
+    ShmRef,
+    WireLimits,
+    expect_type,
+    parse_get,
+    parse_hello,
+    parse_put,
+    parse_ref,
+    parse_text,
+)
+
+
+@dataclass(frozen=True)
+class ShmControl:
+    """SHM_OPEN (``ok`` unused) or SHM_MAPPED (``ok``: the client mapped the segment)."""
+
+    type: int
+    ok: int
+
+
+class ServerSession:
+    """Frame order on the server side: HELLO first, then GETs and PUT batches. ``accept``
+    returns the frame's request or raises ProtocolError for a frame out of place."""
+
+    def __init__(self, limits: WireLimits) -> None:
+        self.limits = limits
+        self.authenticated = False
+        self.in_put = 0  # items received in the current PUT batch
+
+    def accept(self, frame: Frame) -> str | list[bytes] | PutItem | ShmControl:
+        if not self.authenticated:
+            token = parse_hello(frame)
+            self.authenticated = True
+            return token
+        if frame.type == GET and not self.in_put:
+            return parse_get(frame, self.limits)
+        if frame.type in (SHM_OPEN, SHM_MAPPED) and not self.in_put:
+            return ShmControl(frame.type, frame.header.count)
+        if frame.type == PUT:
+            item = parse_put(frame)
+            self.in_put = self.in_put + 1 if item.more else 0
+            if self.in_put > self.limits.max_batch_keys:
+                raise ProtocolError(f"PUT batch longer than max_batch_keys={self.limits.max_batch_keys}")
+            return item
+        raise ProtocolError(f"unexpected {TYPE_NAMES[frame.type]} frame from a client")
+
+
+class GetReplyCollector:
+    """Client side of one GET: consumes CHUNK/MISS frames (or one ERROR) until every index
+    has answered. ``results[i]`` is the chunk as ``bytes`` (or, with ``into=True``, its length:
+    the body went to a target buffer), a :class:`ShmRef` into the shared segment, or the miss
+    reason as ``str``."""
+
+    def __init__(self, n: int, into: bool = False) -> None:
+        self.n = n
+        self.into = into
+        self.results: list[bytes | int | str | ShmRef] = []
+        self.error: tuple[int, str] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or len(self.results) == self.n
+
+    def accept(self, frame: Frame) -> None:
+        if frame.type == ERROR and not self.results:
+            self.error = (frame.header.count, parse_text(frame))
+            return
+        expect_type(frame, CHUNK, MISS)
+        if frame.header.count != len(self.results):
+            raise ProtocolError(f"reply for index {frame.header.count}, expected {len(self.results)}")
+        if frame.type == MISS:
+            self.results.append(parse_text(frame))
+        elif frame.header.flags & SHM:
+            self.results.append(parse_ref(frame.body, "CHUNK"))
+        else:
+            self.results.append(frame.body.nbytes if self.into else frame.body_bytes())

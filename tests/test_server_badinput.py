@@ -1,0 +1,307 @@
+"""Bad input: malformed and random protobuf bytes, oversized messages, wrong key lengths,
+chunks that contradict their request or fail their checksum, garbage on the data port. Each
+gets a clear status and the server stays up (a Health call after the barrage says SERVING).
+Plus a hypothesis fuzz of the servicer's request decoding."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.chunk import HEADER_SIZE
+from kvtier.server.gen import kvtier_pb2 as pb
+from kvtier.server.requests import (
+    BadRequest,
+    Limits,
+    decode_info,
+    decode_keys,
+    decode_put,
+    decode_stats,
+)
+from kvtier.wire import (
+    CHUNK,
+    ERROR,
+    PUT_REPLY,
+    WELCOME,
+    FrameReader,
+    WireLimits,
+    encode_get,
+    encode_header,
+    encode_hello,
+    encode_put,
+    encode_put_ref,
+    encode_shm_mapped,
+    encode_shm_open,
+)
+from kvtier.wire_io import read_frame, send_all
+from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
+
+MAX_MESSAGE = 2 << 20
+MAX_CHUNK = 1 << 20
+MAX_KEYS = 64
+SVC = "/kvtier.v1.KVTier/"
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    s = start_server(tmp_path_factory.mktemp("bad"), "--slot-bytes", "1MiB", "--cpu-bytes", "32MiB",
+                     "--set", f"max_message_bytes={MAX_MESSAGE}", "--set", f"max_chunk_bytes={MAX_CHUNK}",
+                     "--set", f"max_batch_keys={MAX_KEYS}")
+    yield s
+    assert s.stop() == 0, s.log
+    assert "Traceback" not in s.log, s.log
+
+
+@pytest.fixture(scope="module")
+def channel(server: ServerProc) -> Iterator[grpc.Channel]:
+    opts = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
+    with grpc.insecure_channel(server.address, options=opts) as ch:
+        yield ch
+
+
+def raw_call(channel: grpc.Channel, method: str, payload: bytes) -> tuple[Code, str]:
+    """Send ``payload`` as the request bytes of ``method``, bypassing protobuf."""
+    try:
+        if method == "Put":
+            channel.stream_unary(SVC + "Put")(iter([payload]), timeout=10)
+        elif method == "Get":
+            list(channel.unary_stream(SVC + "Get")(payload, timeout=10))
+        else:
+            channel.unary_unary(SVC + method)(payload, timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+    return Code.OK, ""
+
+
+def put_payload(*items: pb.PutItem) -> bytes:
+    return pb.PutRequest(items=list(items)).SerializeToString()
+
+
+def assert_serving(server: ServerProc) -> None:
+    with grpc.insecure_channel(server.address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert server.alive()
+
+
+METHODS = ("Info", "Lookup", "Get", "Put", "Delete", "Stats")
+MALFORMED = [b"\xff", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12",
+             b"\x0f\x00", b"\x0a\x80\x80\x80\x80\x10"]
+
+
+def test_malformed_protobuf_is_invalid_argument(channel: grpc.Channel, server: ServerProc) -> None:
+    for method in METHODS:
+        for payload in MALFORMED:
+            code, details = raw_call(channel, method, payload)
+            assert code == Code.INVALID_ARGUMENT, (method, payload, code, details)
+            assert "not a valid" in details
+    assert_serving(server)
+
+
+def test_random_bytes_get_a_clear_status(channel: grpc.Channel, server: ServerProc) -> None:
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(120):
+        method = rng.choice(METHODS)
+        payload = rng.randbytes(rng.randrange(0, 300))
+        code, _ = raw_call(channel, method, payload)
+        # Random bytes sometimes parse (unknown fields are legal protobuf): then the decoded
+        # request is validated like any other.
+        assert code in (Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.DATA_LOSS,
+                        Code.PERMISSION_DENIED, Code.NOT_FOUND), (method, payload, code)
+        seen.add(code)
+    assert Code.INVALID_ARGUMENT in seen
+    assert_serving(server)
+
+
+def test_oversized_messages(channel: grpc.Channel, server: ServerProc) -> None:
+    key = make_keys(1, seed=40)[0]
+    code, details = raw_call(channel, "Put", put_payload(pb.PutItem(key=key, chunk=make_chunk(key, MAX_MESSAGE + 10))))
+    assert code == Code.RESOURCE_EXHAUSTED and "larger than max" in details
+    code, details = raw_call(channel, "Put", put_payload(pb.PutItem(key=key, chunk=make_chunk(key, MAX_CHUNK + 10))))
+    assert code == Code.RESOURCE_EXHAUSTED and "max_chunk_bytes" in details
+    many = pb.LookupRequest(keys=make_keys(MAX_KEYS + 1, seed=41)).SerializeToString()
+    for method in ("Lookup", "Get", "Delete"):
+        code, details = raw_call(channel, method, many)
+        assert code == Code.RESOURCE_EXHAUSTED and "max_batch_keys" in details, (method, details)
+    code, details = raw_call(channel, "Stats", pb.StatsRequest(tenant="x" * 1000).SerializeToString())
+    assert code == Code.INVALID_ARGUMENT
+    assert_serving(server)
+
+
+def test_wrong_key_lengths(channel: grpc.Channel, server: ServerProc) -> None:
+    good = make_keys(2, seed=42)
+    for bad in (b"", b"x" * 31, b"x" * 33, b"x" * 64):
+        keys = [good[0], bad, good[1]]
+        for method in ("Lookup", "Get", "Delete"):
+            code, details = raw_call(channel, method, pb.GetRequest(keys=keys).SerializeToString())
+            assert code == Code.INVALID_ARGUMENT and "key 1 has" in details and "32 bytes" in details
+        code, details = raw_call(channel, "Put", put_payload(pb.PutItem(key=bad, chunk=make_chunk(good[0]))))
+        assert code == Code.INVALID_ARGUMENT and "32 bytes" in details
+        code, details = raw_call(channel, "Put", put_payload(pb.PutItem(key=good[0], chunk=make_chunk(good[0]),
+                                                                         parent=bad or b"p")))
+        assert code == Code.INVALID_ARGUMENT and "parent" in details
+    assert_serving(server)
+
+
+def _corrupt(chunk: bytes, offset: int) -> bytes:
+    out = bytearray(chunk)
+    out[offset] ^= 0x55
+    return bytes(out)
+
+
+def test_chunks_that_lie_or_are_corrupt(channel: grpc.Channel, server: ServerProc) -> None:
+    a, b = make_keys(2, seed=43)
+    chunk = make_chunk(a, 5000)
+    cases: list[tuple[bytes, bytes, Code, str]] = [
+        (b, chunk, Code.INVALID_ARGUMENT, "header names key"),           # header contradicts request
+        (a, _corrupt(chunk, HEADER_SIZE + 100), Code.DATA_LOSS, "checksum"),  # payload corrupt
+        (a, _corrupt(chunk, 40), Code.DATA_LOSS, "header checksum"),     # header corrupt
+        (a, chunk[:-1], Code.INVALID_ARGUMENT, "header says"),           # truncated
+        (a, chunk + b"\0", Code.INVALID_ARGUMENT, "header says"),        # trailing bytes
+        (a, b"not a chunk at all" * 10, Code.INVALID_ARGUMENT, "not a valid kvtier chunk"),
+        (a, b"", Code.INVALID_ARGUMENT, "not a valid kvtier chunk"),
+    ]
+    for key, data, want, needle in cases:
+        code, details = raw_call(channel, "Put", put_payload(pb.PutItem(key=key, chunk=data)))
+        assert (code, needle in details) == (want, True), (needle, code, details)
+    # Nothing of the refused chunks was stored.
+    reply = channel.unary_unary(SVC + "Lookup")(pb.LookupRequest(keys=[a]).SerializeToString(), timeout=5)
+    assert pb.LookupReply.FromString(reply).hits == 0
+    assert_serving(server)
+
+
+def test_unknown_method(channel: grpc.Channel, server: ServerProc) -> None:
+    assert raw_call(channel, "Nope", b"")[0] == Code.UNIMPLEMENTED
+    assert_serving(server)
+
+
+# --- the data port ---------------------------------------------------------------------------
+def _data_conn(server: ServerProc) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.ports["data"]), timeout=5)
+    send_all(sock, encode_hello(""))
+    assert read_frame(sock, FrameReader(WireLimits())).type == WELCOME
+    return sock
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_data_port_garbage_and_refusals(server: ServerProc) -> None:
+    limits = WireLimits(MAX_CHUNK, MAX_KEYS)
+    rng = random.Random(6)
+    for garbage in (b"GET / HTTP/1.1\r\n\r\n", rng.randbytes(64), encode_header(99, 0, 0, 0),
+                    encode_header(4, 0, 1, 1 << 40), encode_hello("")[0][:8]):
+        with socket.create_connection(("127.0.0.1", server.ports["data"]), timeout=10) as sock:
+            sock.sendall(garbage)
+            if len(garbage) >= 16:
+                assert _closed(sock)  # a frame the protocol forbids ends the connection
+    with _data_conn(server) as sock:  # a frame out of place after the handshake
+        send_all(sock, encode_hello(""))
+        assert _closed(sock)
+    with _data_conn(server) as sock:  # GET whose body does not hold count keys
+        sock.sendall(encode_header(4, 0, 2, 32) + b"k" * 32)
+        assert _closed(sock)
+    key = make_keys(1, seed=46)[0]
+    for frames in ([encode_put_ref(key, 0, 100)],                      # a reference, no segment
+                   [encode_shm_mapped(True)],                          # no segment pending
+                   [encode_shm_open(), encode_shm_mapped(True), encode_put_ref(key, 64 << 20, 10)]):
+        with _data_conn(server) as sock:  # the last: a reference past the segment's end
+            for f in frames:
+                send_all(sock, f)
+            while True:  # skip SHM_READY; then the server hangs up
+                try:
+                    if not sock.recv(65536):
+                        break
+                except ConnectionResetError:
+                    break
+    with _data_conn(server) as sock:  # refused chunks: ERROR reply, connection still usable
+        a, b = make_keys(2, seed=44)
+        chunk = make_chunk(a, 3000)
+        reader = FrameReader(limits)
+        for key, data, code in ((b, chunk, Code.INVALID_ARGUMENT), (a, _corrupt(chunk, 500), Code.DATA_LOSS),
+                                (a, make_chunk(a, MAX_CHUNK + 10), None)):
+            if code is None:  # over the data path's frame limit: a protocol error, hang up
+                try:  # the server may hang up while the body is still being sent
+                    send_all(sock, encode_put(key, data))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                assert _closed(sock)
+                break
+            send_all(sock, encode_put(key, data))
+            frame = read_frame(sock, reader)
+            assert frame.type == ERROR and frame.header.count == code.value[0], bytes(frame.body)
+            send_all(sock, encode_put(a, chunk))
+            frame = read_frame(sock, reader)
+            assert frame.type == PUT_REPLY and bytes(frame.body) == b"\x01"
+            send_all(sock, encode_get([a]))
+            assert read_frame(sock, reader).type == CHUNK
+    assert_serving(server)
+
+
+# --- fuzz the request decoding (in process: the exact functions the servicer calls) ----------------
+LIMITS = Limits(max_batch_keys=MAX_KEYS, max_chunk_bytes=MAX_CHUNK, max_message_bytes=MAX_MESSAGE)
+DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "Lookup": lambda raw: decode_keys(raw, "Lookup", LIMITS),
+    "Get": lambda raw: decode_keys(raw, "Get", LIMITS),
+    "Delete": lambda raw: decode_keys(raw, "Delete", LIMITS),
+    "Put": lambda raw: decode_put(raw, LIMITS),
+    "Stats": decode_stats,
+    "Info": decode_info,
+}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(sorted(DECODERS)), raw=st.binary(max_size=600))
+def test_fuzz_raw_request_bytes(method: str, raw: bytes) -> None:
+    try:
+        result = DECODERS[method](raw)
+    except BadRequest as exc:
+        assert exc.code in (Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.DATA_LOSS) and exc.message
+        return
+    if method in ("Lookup", "Get", "Delete"):
+        assert all(len(k) == 32 for k in result) and len(result) <= MAX_KEYS
+
+
+_VALID_KEY = make_keys(1, seed=45)[0]
+_VALID_CHUNK = make_chunk(_VALID_KEY, 256)
+
+
+@st.composite
+def put_items(draw: st.DrawFn) -> pb.PutItem:
+    key = draw(st.one_of(st.just(_VALID_KEY), st.binary(min_size=0, max_size=40)))
+    chunk = bytearray(_VALID_CHUNK)
+    for _ in range(draw(st.integers(0, 3))):  # a few mutations of a valid chunk
+        if chunk:
+            chunk[draw(st.integers(0, len(chunk) - 1))] = draw(st.integers(0, 255))
+    cut = draw(st.integers(0, len(chunk)))
+    data = bytes(chunk[:cut]) if draw(st.booleans()) else bytes(chunk)
+    parent = draw(st.one_of(st.just(b""), st.binary(min_size=0, max_size=40)))
+    return pb.PutItem(key=key, chunk=data, depth=draw(st.integers(0, 2**32 - 1)), parent=parent)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(put_items(), max_size=5))
+def test_fuzz_put_requests(items: list[pb.PutItem]) -> None:
+    raw = pb.PutRequest(items=items).SerializeToString()
+    try:
+        entries = decode_put(raw, LIMITS)
+    except BadRequest as exc:
+        assert exc.code in (Code.INVALID_ARGUMENT, Code.DATA_LOSS, Code.RESOURCE_EXHAUSTED) and exc.message
+        return
+    # Accepted means: exactly the valid chunk under its own key (mutations of a checksummed
+    # chunk cannot survive verification except by a 2^-64 chance).
+    assert all(e.key == _VALID_KEY and bytes(e.data) == _VALID_CHUNK for e in entries)

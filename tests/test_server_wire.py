@@ -1,0 +1,270 @@
+"""kvtier.wire, sans-I/O: a client and a server session talking through in-memory byte
+streams (no sockets), split at every possible boundary, plus a hypothesis fuzz of the
+decoder: whatever bytes arrive, the only error is ProtocolError."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.wire import (
+    CHUNK,
+    ERROR,
+    GET,
+    PUT,
+    PUT_REPLY,
+    SHM_MAPPED,
+    SHM_OPEN,
+    WELCOME,
+    Frame,
+    FrameHeader,
+    FrameReader,
+    ProtocolError,
+    PutItem,
+    ShmRef,
+    WireLimits,
+    encode_chunk,
+    encode_chunk_ref,
+    encode_error,
+    encode_get,
+    encode_header,
+    encode_hello,
+    encode_miss,
+    encode_put,
+    encode_put_ref,
+    encode_put_reply,
+    encode_shm_mapped,
+    encode_shm_open,
+    encode_shm_ready,
+    encode_welcome,
+    parse_put,
+    parse_put_reply,
+    parse_shm_ready,
+    parse_welcome,
+)
+from kvtier.wire_session import GetReplyCollector, ServerSession, ShmControl
+from tests.kvtier_servers import make_keys
+
+LIMITS = WireLimits(max_chunk_bytes=1 << 16, max_batch_keys=64)
+
+
+def join(parts: list) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+class MemoryServer:
+    """A toy server over the sans-I/O pieces: what dataplane.py does, minus the sockets."""
+
+    def __init__(self) -> None:
+        self.reader = FrameReader(LIMITS)
+        self.session = ServerSession(LIMITS)
+        self.store: dict[bytes, bytes] = {}
+        self.batch: list[bool] = []
+
+    def receive(self, data: bytes) -> bytes:
+        out: list = []
+        for frame in self.reader.feed(data):
+            request = self.session.accept(frame)
+            if isinstance(request, str):
+                out += encode_welcome({"tenant": "t"}) if request == "good-token" else encode_error(16, "no")
+            elif isinstance(request, list):
+                for i, key in enumerate(request):
+                    value = self.store.get(key)
+                    out += encode_chunk(i, value) if value is not None else encode_miss(i, "absent")
+            elif isinstance(request, PutItem):
+                self.store[request.key] = bytes(request.chunk)
+                self.batch.append(len(request.chunk) > 0)
+                if not request.more:
+                    out += encode_put_reply(self.batch)
+                    self.batch = []
+        return join(out)
+
+
+def pump(data: bytes, sink: MemoryServer | FrameReader, step: int) -> list:
+    """Deliver ``data`` in pieces of ``step`` bytes (0: one piece)."""
+    pieces = [data] if step == 0 else [data[i : i + step] for i in range(0, len(data), step)]
+    out: list = []
+    for piece in pieces:
+        got = sink.receive(piece) if isinstance(sink, MemoryServer) else sink.feed(piece)
+        out.append(got) if isinstance(sink, MemoryServer) else out.extend(got)
+    return out
+
+
+@pytest.mark.parametrize("step", [0, 1, 7, 16, 17, 1000])
+def test_in_memory_pair_round_trip(step: int) -> None:
+    server = MemoryServer()
+    client = FrameReader(LIMITS)
+    keys = make_keys(5, seed=1)
+    values = [bytes([i]) * (100 * i + 1) for i in range(5)]
+    # handshake
+    reply = b"".join(pump(join(encode_hello("good-token")), server, step))
+    (frame,) = pump(reply, client, step)
+    assert frame.type == WELCOME and parse_welcome(frame) == {"tenant": "t"}
+    # a PUT batch of 4 (MORE on all but the last), one reply
+    request = b"".join(join(encode_put(k, v, depth=i, parent=keys[0] if i else b"", more=i < 3))
+                       for i, (k, v) in enumerate(zip(keys[:4], values[:4])))
+    reply = b"".join(pump(request, server, step))
+    (frame,) = pump(reply, client, step)
+    assert frame.type == PUT_REPLY and parse_put_reply(frame, 4) == [True] * 4
+    assert server.store == dict(zip(keys[:4], values[:4]))
+    # a GET of all five: four chunks and one miss, in order
+    reply = b"".join(pump(join(encode_get(keys)), server, step))
+    collector = GetReplyCollector(5)
+    for frame in pump(reply, client, step):
+        collector.accept(frame)
+    assert collector.done and collector.results == values[:4] + ["absent"]
+
+
+def test_whole_body_in_bytes_is_not_copied() -> None:
+    data = join(encode_chunk(0, b"x" * 5000))
+    reader = FrameReader(LIMITS)
+    header, body = data[:16], data[16:]
+    assert reader.feed(header) == []
+    (frame,) = reader.feed(body)
+    assert frame.body.obj is body and frame.body_bytes() is body
+
+
+def test_body_target_receives_the_body() -> None:
+    target = memoryview(bytearray(100))
+
+    def where(header: FrameHeader) -> memoryview | None:
+        return target if header.type == CHUNK else None
+
+    reader = FrameReader(LIMITS, where)
+    data = join(encode_chunk(3, b"abc") + encode_miss(4, "evicted"))
+    frames = []
+    for i in range(len(data)):  # the zero-copy loop: buffer() / advance() one byte at a time
+        buf = reader.buffer()
+        buf[:1] = data[i : i + 1]
+        frame = reader.advance(1)
+        if frame:
+            frames.append(frame)
+    assert [f.type for f in frames] == [CHUNK, 6]
+    assert bytes(target[:3]) == b"abc" and frames[0].body.obj is target.obj
+
+
+def test_buffer_never_spans_two_frames() -> None:
+    reader = FrameReader(LIMITS)
+    assert len(reader.buffer()) == 16
+    reader.buffer()[:16] = encode_header(CHUNK, 0, 0, 10)
+    assert reader.advance(16) is None and len(reader.buffer()) == 10 and reader.need() == 10
+    with pytest.raises(ValueError):
+        reader.advance(11)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"XX" + bytes(14), "magic"),
+    (encode_header(42, 0, 0, 0), "unknown frame type"),
+    (encode_header(CHUNK, 0x80, 0, 0), "flags"),
+    (encode_header(CHUNK, 0, 0, (1 << 16) + 65), "exceeds"),
+    (encode_header(GET, 0, 0, 64 * 32 + 1), "exceeds"),
+])
+def test_bad_headers(data: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        FrameReader(LIMITS).feed(data)
+
+
+def _frames(data: bytes) -> list[Frame]:
+    return FrameReader(LIMITS).feed(data)
+
+
+def test_session_order_rules() -> None:
+    session = ServerSession(LIMITS)
+    with pytest.raises(ProtocolError, match="HELLO"):
+        session.accept(_frames(join(encode_get([])))[0])
+    session = ServerSession(LIMITS)
+    assert session.accept(_frames(join(encode_hello("t")))[0]) == "t"
+    with pytest.raises(ProtocolError, match="unexpected HELLO"):
+        session.accept(_frames(join(encode_hello("t")))[0])
+    key = make_keys(1)[0]
+    session.accept(_frames(join(encode_put(key, b"v", more=True)))[0])
+    with pytest.raises(ProtocolError, match="unexpected GET"):  # no GET inside a PUT batch
+        session.accept(_frames(join(encode_get([key])))[0])
+    with pytest.raises(ProtocolError, match="version"):
+        ServerSession(LIMITS).accept(_frames(encode_header(1, 0, 9, 0))[0])
+    with pytest.raises(ProtocolError, match="GET of 2 keys"):
+        s2 = ServerSession(LIMITS)
+        s2.accept(_frames(join(encode_hello("")))[0])
+        s2.accept(_frames(encode_header(GET, 0, 2, 32) + b"k" * 32)[0])
+    with pytest.raises(ProtocolError, match="no room"):
+        s3 = ServerSession(LIMITS)
+        s3.accept(_frames(join(encode_hello("")))[0])
+        s3.accept(_frames(encode_header(PUT, 2, 0, 40) + b"k" * 40)[0])
+
+
+def test_shared_memory_frames() -> None:
+    session = ServerSession(LIMITS)
+    session.accept(_frames(join(encode_hello("")))[0])
+    assert session.accept(_frames(join(encode_shm_open()))[0]) == ShmControl(SHM_OPEN, 0)
+    (ready,) = _frames(join(encode_shm_ready("kvtier-1-ab", 1 << 20)))
+    assert parse_shm_ready(ready) == ("kvtier-1-ab", 1 << 20)
+    assert session.accept(_frames(join(encode_shm_mapped(True)))[0]) == ShmControl(SHM_MAPPED, 1)
+    key, parent = make_keys(2, seed=3)
+    item = parse_put(_frames(join(encode_put_ref(key, 4096, 1000, depth=7, parent=parent, more=True)))[0])
+    assert (item.key, item.parent, item.depth, item.chunk, item.more) == (key, parent, 7, ShmRef(4096, 1000), True)
+    assert session.accept(_frames(join(encode_put_ref(key, 0, 10)))[0]).chunk == ShmRef(0, 10)
+    c = GetReplyCollector(2)
+    c.accept(_frames(join(encode_chunk_ref(0, 64, 100)))[0])
+    c.accept(_frames(join(encode_miss(1, "absent")))[0])
+    assert c.results == [ShmRef(64, 100), "absent"]
+    assert ShmRef(64, 100).within(164) and not ShmRef(64, 100).within(163)
+    with pytest.raises(ProtocolError, match="reference of 3 bytes"):  # a ref body must be 16 bytes
+        GetReplyCollector(1).accept(_frames(encode_header(CHUNK, 4, 0, 3) + b"abc")[0])
+    with pytest.raises(ProtocolError, match="name and a positive size"):
+        parse_shm_ready(_frames(join(encode_shm_ready("x", 0)))[0])
+
+
+def test_collector_checks_order_and_errors() -> None:
+    c = GetReplyCollector(2)
+    with pytest.raises(ProtocolError, match="index 1"):
+        c.accept(_frames(join(encode_chunk(1, b"x")))[0])
+    c = GetReplyCollector(2)
+    c.accept(_frames(join(encode_error(3, "bad key")))[0])
+    assert c.done and c.error == (3, "bad key")
+    c = GetReplyCollector(1)
+    with pytest.raises(ProtocolError):
+        c.accept(_frames(join(encode_put_reply([True])))[0])
+    assert _frames(join(encode_error(5, "x")))[0].type == ERROR
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.binary(max_size=400), cuts=st.lists(st.integers(1, 50), max_size=10))
+def test_fuzz_decoder_and_session(data: bytes, cuts: list[int]) -> None:
+    """Random bytes (or random bytes after a valid HELLO) raise ProtocolError or decode."""
+    reader, session = FrameReader(LIMITS), ServerSession(LIMITS)
+    stream = join(encode_hello("tok")) + data if cuts and cuts[0] % 2 else data
+    pos = 0
+    try:
+        for cut in cuts + [len(stream)]:
+            for frame in reader.feed(stream[pos : pos + cut]):
+                session.accept(frame)
+            pos += cut
+    except ProtocolError:
+        return
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=16, max_size=200))
+def test_fuzz_valid_header_random_body(data: bytes) -> None:
+    rng = random.Random(data)
+    ftype = rng.choice([GET, PUT, CHUNK, PUT_REPLY, WELCOME])
+    body = data[16:]
+    try:
+        frames = FrameReader(LIMITS).feed(encode_header(ftype, rng.choice([0, 1, 2, 3]), rng.randrange(0, 70),
+                                                        len(body)) + body)
+    except ProtocolError:
+        return
+    session = ServerSession(LIMITS)
+    session.accept(_frames(join(encode_hello("")))[0])
+    for frame in frames:
+        try:
+            session.accept(frame)
+        except ProtocolError:
+            pass
+        try:
+            GetReplyCollector(70).accept(frame)
+        except ProtocolError:
+            pass
