@@ -15,17 +15,16 @@ each body with one ``recv(n, MSG_WAITALL)`` into a fresh ``bytes`` it returns as
 TCP; TLS copies once out of the reader's buffer); ``put`` sends header and the caller's
 buffer with one ``sendmsg``. Deadlines on plain TCP are SO_RCVTIMEO/SO_SNDTIMEO set to the
 time left before every frame, so a blocking ``MSG_WAITALL`` read still ends in time.
+
+This module holds the pool and the verbs (batching, retry on a stale pooled connection,
+errors mapped to :class:`~kvtier.tiers.grpc_node.NodeError`); one connection's framing,
+deadlines and shared segment are :class:`~kvtier.tiers.grpc_data_conn.DataConn`.
 """
 
 from __future__ import annotations
 
-import logging
-import mmap
-import os
-import re
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +33,12 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss
+from kvtier.tiers.grpc_data_conn import DataConn
 from kvtier.tiers.grpc_node import REFUSALS, NodeError, check_chunk
 from kvtier.wire import (
-    CHUNK,
-    SHM_READY,
-    Frame,
-    FrameReader,
+    ERROR as FRAME_ERROR,
+)
+from kvtier.wire import (
     ProtocolError,
     ShmRef,
     WireLimits,
@@ -47,140 +46,15 @@ from kvtier.wire import (
     encode_hello,
     encode_put,
     encode_put_ref,
-    encode_shm_mapped,
-    encode_shm_open,
     parse_put_reply,
-    parse_shm_ready,
     parse_text,
     parse_welcome,
 )
-from kvtier.wire import (
-    ERROR as FRAME_ERROR,
-)
-from kvtier.wire_io import read_frame, send_all
+from kvtier.wire_io import send_all
 from kvtier.wire_session import GetReplyCollector
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-_REARM_S = 0.01
-_SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^kvtier-[0-9]+-[0-9a-f]{24}$")
 _REQUEST_CODES = {c.value[0]: c.name for c in grpc.StatusCode}
-
-
-class _Conn:
-    def __init__(self, sock: socket.socket, limits: WireLimits) -> None:
-        self.sock = sock
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        self.targets: Sequence[memoryview] | None = None  # get_into destinations, by index
-        self.overflow: dict[int, int] = {}  # index -> length of a chunk too big for its target
-        self._armed = 0.0  # seconds SO_RCVTIMEO/SO_SNDTIMEO hold now (plain TCP)
-        self.reused = False  # taken from the idle pool (the server may have closed it meanwhile)
-        self.shm: memoryview | None = None  # this connection's shared segment, once mapped
-        self._shm_map: mmap.mmap | None = None
-        self.reader = FrameReader(limits, self._target)
-
-    def _target(self, header: object) -> memoryview | None:
-        if self.targets is None or getattr(header, "type", None) != CHUNK:
-            return None
-        index = header.count  # type: ignore[attr-defined]
-        if index >= len(self.targets) or self.targets[index].nbytes < header.length:  # type: ignore[attr-defined]
-            self.overflow[index] = header.length  # type: ignore[attr-defined]
-            return None  # the reader's own buffer takes it; the caller gets a ValueError
-        return self.targets[index]
-
-    def set_deadline(self, deadline: float) -> None:
-        """Bound the next socket calls by ``deadline``. Plain TCP re-arms SO_RCVTIMEO/SNDTIMEO
-        (two syscalls) only when a call started now could end before the deadline or more than
-        _REARM_S after it: once per request, then every _REARM_S, rather than once per frame."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline passed")
-        if self.tls:
-            self.sock.settimeout(left)
-            return
-        if self._armed_until - deadline <= _REARM_S and self._armed_until >= deadline:
-            return
-        tv = struct.pack("ll", int(left), int((left % 1) * 1e6) or 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        self._armed = left
-
-    @property
-    def _armed_until(self) -> float:
-        """Latest moment a socket call started now could block until."""
-        return time.monotonic() + self._armed
-
-    def read(self, deadline: float) -> Frame:
-        self.set_deadline(deadline)
-        if self.tls or self.targets is not None:
-            return read_frame(self.sock, self.reader)
-        # Header by recv_into; a body that is a chunk: one MSG_WAITALL recv into fresh bytes,
-        # handed to the reader whole, so the bytes object itself becomes the result.
-        while True:
-            n = self.sock.recv_into(self.reader.buffer())
-            if n == 0:
-                raise ConnectionError("node closed the data connection")
-            frame = self.reader.advance(n)
-            if frame is not None:
-                return frame
-            if self.reader.need() > 4096:
-                while True:
-                    data = self.sock.recv(self.reader.need(), socket.MSG_WAITALL)
-                    if not data:
-                        raise ConnectionError("node closed the data connection")
-                    frames = self.reader.feed(data)
-                    if frames:
-                        return frames[0]
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        self.shm = None
-        if self._shm_map is not None:
-            try:
-                self._shm_map.close()
-            except BufferError:  # a caller still holds a view: the GC unmaps it later
-                pass
-            self._shm_map = None
-
-    def open_shm(self, deadline: float) -> bool:
-        """Ask for a shared segment and map it; False (socket only) when either side cannot."""
-        send_all(self.sock, encode_shm_open())
-        frame = self.read(deadline)
-        if frame.type != SHM_READY:
-            return False  # ERROR: the server has it off
-        name, size = parse_shm_ready(frame)
-        mapping = None
-        if _SHM_NAME.match(name):
-            try:
-                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
-                try:
-                    if os.fstat(fd).st_size >= size:  # mapping past the end would SIGBUS on use
-                        mapping = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.info("data path: cannot map the server's segment %s (%s): socket only", name, exc)
-        send_all(self.sock, encode_shm_mapped(mapping is not None))
-        if mapping is None:
-            return False
-        self._shm_map, self.shm = mapping, memoryview(mapping)
-        return True
-
-    def resolve(self, ref: ShmRef, target: memoryview | None) -> bytes | int:
-        """Copy a referenced chunk out of the segment (before the connection is reused)."""
-        if self.shm is None or not ref.within(self.shm.nbytes):
-            raise ProtocolError(f"reference {ref} outside the mapped segment")
-        src = self.shm[ref.offset : ref.offset + ref.length]
-        if target is None:
-            return bytes(src)
-        if target.nbytes < ref.length:
-            raise ValueError(f"buffer of {target.nbytes} bytes is too small for a {ref.length}-byte chunk")
-        target[: ref.length] = src
-        return ref.length
 
 
 class SocketDataPath:
@@ -195,13 +69,13 @@ class SocketDataPath:
         self.server_hostname = server_hostname
         self.limits = limits
         self.shm = shm  # still wanted: cleared when a segment cannot be mapped
-        self._idle: list[_Conn] = []
+        self._idle: list[DataConn] = []
         self._slots = threading.BoundedSemaphore(connections)
         self._lock = threading.Lock()
         self._closed = False
 
     # --- connections ------------------------------------------------------------------------------
-    def connect(self, deadline: float) -> _Conn:
+    def connect(self, deadline: float) -> DataConn:
         left = deadline - time.monotonic()
         if left <= 0:
             raise NodeError(TIMEOUT, True, f"data path {self.host}:{self.port}: no time left to connect")
@@ -217,7 +91,7 @@ class SocketDataPath:
                 sock = self.tls.wrap_socket(sock, server_hostname=self.server_hostname)
             else:
                 sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO/SO_SNDTIMEO
-            conn = _Conn(sock, self.limits)
+            conn = DataConn(sock, self.limits)
             conn.set_deadline(deadline)
             send_all(conn.sock, encode_hello(self.token))
             frame = conn.read(deadline)
@@ -235,7 +109,7 @@ class SocketDataPath:
             sock.close()
             raise _io_error(exc, f"data path {self.host}:{self.port} handshake") from None
 
-    def _checkout(self, deadline: float) -> _Conn:
+    def _checkout(self, deadline: float) -> DataConn:
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise NodeError(TIMEOUT, False, f"data path {self.host}:{self.port}: no free connection in time")
         with self._lock:
@@ -252,7 +126,7 @@ class SocketDataPath:
             self._slots.release()
             raise
 
-    def _checkin(self, conn: _Conn, ok: bool) -> None:
+    def _checkin(self, conn: DataConn, ok: bool) -> None:
         conn.targets = None
         conn.overflow = {}
         with self._lock:
@@ -379,7 +253,7 @@ class SocketDataPath:
             self._checkin(conn, ok)
 
     @staticmethod
-    def _put_shm(conn: _Conn, entries: Sequence[Entry]) -> None:
+    def _put_shm(conn: DataConn, entries: Sequence[Entry]) -> None:
         """Copy each chunk into the segment and send its reference at once (the server
         verifies chunk i while chunk i+1 is copied); what does not fit goes inline."""
         assert conn.shm is not None

@@ -1,0 +1,187 @@
+"""The disk tier's index and space accounting: which chunk files this tier counts, their
+bytes, the eviction policy, and how room is made (evict, reuse a victim's file, ENOSPC).
+
+:class:`DiskIndex` is the base of :class:`~kvtier.tiers.disk.DiskTier`, which adds the read
+and write paths. The index maps key -> size of its file; ``_used`` is their sum, bounded by
+``capacity_bytes`` together with ``_reserved`` (bytes promised to puts whose files are being
+written). Start-up (:meth:`DiskIndex._rebuild`) fills it from the directory scan, oldest
+file first, evicting down to capacity.
+
+Threads: methods marked "lock held" run under the TierBase lock and only decide; the slow
+part (unlinks, which can take milliseconds on a ``discard`` mount, and the evict listener)
+is collected in a :class:`Pending` and done by :meth:`DiskIndex._finish` after the lock is
+released. A victim's file is never reused while this process reads it (``_readers``).
+Failure: a file a sharer already removed is simply not reused or unlinked; nothing here
+raises for the medium.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from kvtier.policy import NothingToEvict, make_policy
+from kvtier.tiers import disk_io as io
+from kvtier.tiers.base import Miss, TierBase, TierUsage
+from kvtier.tiers.disk_layout import RebuildStats, chunk_path, scan
+
+__all__ = ["DiskIndex", "Pending"]
+
+
+class Pending:
+    """Work decided under the lock and done after it: files to unlink (an unlink can take
+    milliseconds on a ``discard`` mount) and evicted chunks for the listener."""
+
+    __slots__ = ("doomed", "evicted")
+
+    def __init__(self) -> None:
+        self.doomed: list[str] = []
+        self.evicted: list[tuple[bytes, bytes]] = []
+
+
+class DiskIndex(TierBase):
+    """Index, byte counts and eviction of a disk tier rooted at ``root``; subclasses provide
+    :meth:`_read` (the evict listener is handed the victim's verified bytes)."""
+
+    def __init__(self, root: str, capacity_bytes: int, policy: str) -> None:
+        super().__init__()
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.policy = make_policy(policy)
+        self._index: dict[bytes, int] = {}  # key -> size of its file on disk
+        self._readers: dict[bytes, int] = {}  # key -> reads in flight (its file is not reused)
+        self._used = 0
+        self._reserved = 0  # bytes promised to puts whose files are being written
+
+    def _read(self, key: bytes, out: memoryview | None, adopt: bool = True) -> memoryview | Miss:
+        """Read and verify ``key``'s chunk (see DiskTier); called under the lock for the
+        evict listener, with ``adopt=False``."""
+        raise NotImplementedError
+
+    # --- start-up -----------------------------------------------------------------------------
+    def _rebuild(self) -> RebuildStats:
+        start = time.monotonic()
+        found, bad, tmp_removed = scan(self.root)
+        pending = Pending()
+        with self._lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self._used += size
+                self.policy.insert(key, size)
+            while self._used > self.capacity_bytes and (victim := self._evict_one(pending)):
+                pending.doomed.append(self._path(victim[0]))
+        self._finish(pending)
+        return RebuildStats(len(found), self._used, bad, tmp_removed, len(pending.doomed),
+                            time.monotonic() - start)
+
+    # --- bookkeeping (lock held unless said otherwise) ---------------------------------------
+    def _path(self, key: bytes) -> str:
+        return chunk_path(self.root, key)
+
+    def _evict_one(self, p: Pending) -> tuple[bytes, int] | None:
+        """Take the policy's victim out of the index: (key, file size), or None when nothing
+        can be evicted. The caller decides the file's fate (unlink or reuse)."""
+        try:
+            victim = self.policy.evict()
+        except NothingToEvict:
+            return None
+        if self.evict_listener is not None:
+            value = self._read(victim, None, adopt=False)
+            if isinstance(value, memoryview):
+                p.evicted.append((victim, bytes(value)))
+        size = self._index.pop(victim, 0)  # 0: the listener's read found it corrupt
+        self._used -= size
+        self._remember_evicted(victim)
+        return victim, size
+
+    def _make_room(self, size: int, p: Pending, reuse_as: str | None = None) -> int | None:
+        """Evict until ``size`` more bytes fit. With ``reuse_as``, the first victim's file is
+        renamed there for the caller to overwrite (no unlink, no block allocation). Returns
+        that file's size (0 if none), or None when no room can be made."""
+        reused = 0
+        if size > self.capacity_bytes:
+            return None
+        while self._used + self._reserved + size > self.capacity_bytes:
+            victim = self._evict_one(p)
+            if victim is None:
+                if reused and reuse_as is not None:
+                    p.doomed.append(reuse_as)
+                return None
+            key, vsize = victim
+            path = self._path(key)
+            if reuse_as is not None and not reused and vsize and not self._readers.get(key):
+                try:
+                    os.rename(path, reuse_as)
+                    reused = vsize
+                    continue
+                except OSError:
+                    pass  # a sharer removed it: nothing to reuse
+            p.doomed.append(path)
+        return reused
+
+    def _free_for_nospace(self, size: int) -> None:
+        """Lock NOT held. The file system is fuller than our own count says (ENOSPC): evict
+        at least ``size`` bytes of this tier's files, whatever the capacity, and unlink them."""
+        pending = Pending()
+        with self._lock:
+            freed = 0
+            while freed < size and (victim := self._evict_one(pending)) is not None:
+                pending.doomed.append(self._path(victim[0]))
+                freed += victim[1]
+        self._finish(pending)
+
+    def _forget(self, key: bytes) -> bool:
+        """Take ``key`` out of the index (not its file); True if it was there."""
+        size = self._index.pop(key, None)
+        if size is None:
+            return False
+        self._used -= size
+        self.policy.remove(key)
+        return True
+
+    def _adopt(self, key: bytes, size: int, p: Pending) -> None:
+        """Index a file another writer made, within this tier's capacity."""
+        if key in self._index or self._make_room(size, p) is None:
+            return
+        self._index[key] = size
+        self._used += size
+        self.policy.insert(key, size)
+
+    def _finish(self, p: Pending) -> None:
+        """Lock released: unlink what was evicted, then tell the evict listener."""
+        for path in p.doomed:
+            io.unlink(path)
+        listener = self.evict_listener
+        if listener is not None:
+            for key, value in p.evicted:
+                listener(key, value)
+
+    # --- the index side of the contract -------------------------------------------------------
+    def pin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self.policy.pin(key)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self.policy.unpin(key)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.name, self._used, self.capacity_bytes, len(self._index))
+
+    def check(self) -> list[str]:
+        with self._lock:
+            problems: list[str] = []
+            used = sum(self._index.values())
+            if used != self._used:
+                problems.append(f"used_bytes {self._used} != sum of file sizes {used}")
+            if self._used > self.capacity_bytes:
+                problems.append(f"used_bytes {self._used} > capacity {self.capacity_bytes}")
+            if self._reserved < 0:
+                problems.append(f"negative reservation {self._reserved}")
+            if len(self.policy) != len(self._index) or any(k not in self.policy for k in self._index):
+                problems.append(f"policy tracks {len(self.policy)} keys, tier holds {len(self._index)}")
+            return problems

@@ -1,0 +1,163 @@
+"""The disk tier's directory: chunk-file names, the start-up scan, the medium probe, and the
+atomic publish of one chunk file.
+
+Layout: ``<root>/<2 hex>/<64 hex key>.kvc`` holds an encoded chunk (``kvtier.chunk``),
+zero-padded to 4096 bytes under O_DIRECT (the header carries the true length). Temp files are
+``.<hex>.<pid>.<seq>.tmp`` beside it. A chunk file appears only by ``os.replace`` of a finished
+temp file, so a ``kill -9`` at any moment leaves either no file or a whole one. Start-up
+(:func:`scan`) finds the chunk files by their headers, deletes files whose header is bad or
+disagrees with their length, and removes temp files of dead writers.
+
+Everything here is stateless and knows nothing of the tier's index, capacity or lock: the
+tier (``kvtier.tiers.disk``) decides what to write, evict and keep. Failure: directory
+problems at start-up raise :class:`~kvtier.errors.TierUnavailableError`; a failed write is an
+errno returned to the caller; other ``OSError``s of the medium are the caller's.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvtier.chunk import HEADER_SIZE
+from kvtier.errors import TierUnavailableError
+from kvtier.keys import KEY_BYTES
+from kvtier.tiers import disk_io as io
+from kvtier.tiers.disk_io import ALIGN
+
+__all__ = ["NOSPACE", "SUFFIX", "RebuildStats", "chunk_path", "make_shards", "probe_medium",
+           "scan", "tmp_path", "write_file"]
+
+# The tier's logger: these lines are the disk tier's, whichever module emits them.
+log = logging.getLogger("kvtier.tiers.disk")
+
+SUFFIX = ".kvc"
+NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class RebuildStats:
+    """What start-up found: chunk files indexed, their bytes, bad files deleted, temp
+    leftovers removed, chunks evicted to get under capacity, and how long it took."""
+
+    files: int
+    bytes: int
+    bad: int
+    tmp_removed: int
+    evicted: int
+    seconds: float
+
+
+def chunk_path(root: str, key: bytes) -> str:
+    h = key.hex()
+    return f"{root}/{h[:2]}/{h}{SUFFIX}"
+
+
+def tmp_path(path: str, key: bytes, seq: int) -> str:
+    """A temp name beside ``path`` (the chunk file of ``key``), unique per process and ``seq``."""
+    return f"{path[: -len(SUFFIX) - 2 * KEY_BYTES]}.{key.hex()}.{os.getpid()}.{seq}.tmp"
+
+
+def make_shards(root: str) -> None:
+    """Create ``root`` and its 256 shard directories (existing ones are fine)."""
+    try:
+        for i in range(256):
+            os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
+    except OSError as exc:
+        raise TierUnavailableError(f"disk tier directory {root} cannot be created: "
+                                   f"{exc.strerror or exc}") from exc
+
+
+def probe_medium(root: str, direct: bool, scratch: io.Scratch, seq: Iterator[int]) -> bool:
+    """Write and remove a probe file: proves the directory writable, and whether O_DIRECT
+    works here (EINVAL means the file system refuses it: fall back to buffered I/O). Returns
+    whether O_DIRECT is to be used."""
+    probe = os.path.join(root, f".probe.{os.getpid()}.{next(seq)}.tmp")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (io.O_DIRECT if direct else 0), 0o644)
+        try:
+            os.write(fd, scratch.get(ALIGN)[:ALIGN])
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        if direct and exc.errno == errno.EINVAL:
+            log.info("disk tier %s: O_DIRECT not supported here, using buffered I/O", root)
+            return probe_medium(root, False, scratch, seq)
+        raise TierUnavailableError(f"disk tier directory {root} is not writable: "
+                                   f"{exc.strerror or exc}") from exc
+    return direct
+
+
+def scan(root: str) -> tuple[list[tuple[int, bytes, int]], int, int]:
+    """Find the chunk files under ``root``: ``(files, bad, tmp_removed)`` where ``files`` is
+    ``(mtime_ns, key, size)`` sorted oldest first. Files with a bad header or length and stale
+    temp files are deleted here; names that are not ours are left alone."""
+    found: list[tuple[int, bytes, int]] = []
+    bad: list[str] = []
+    tmp: list[str] = []
+    for shard in os.scandir(root):
+        is_shard = len(shard.name) == 2 and shard.is_dir(follow_symlinks=False)
+        for f in os.scandir(shard.path) if is_shard else [shard]:
+            if f.name.endswith(".tmp"):
+                if io.stale_tmp(f):
+                    tmp.append(f.path)
+                continue
+            if (f is shard or not f.name.endswith(SUFFIX) or not f.name.startswith(shard.name)
+                    or len(f.name) != 2 * KEY_BYTES + len(SUFFIX)):
+                continue  # not ours: leave it alone
+            try:
+                key = bytes.fromhex(f.name[: 2 * KEY_BYTES])
+                st = f.stat()
+                with open(f.path, "rb") as fh:
+                    io.check_header(fh.read(HEADER_SIZE), key, st.st_size)
+                found.append((st.st_mtime_ns, key, st.st_size))
+            except (ValueError, OSError):  # ChunkError is a ValueError
+                bad.append(f.path)
+    tmp_removed = sum(io.unlink(path) for path in tmp)
+    for path in bad:
+        io.unlink(path)
+    if bad:
+        log.warning("disk tier %s: deleted %d chunk files with a bad header or length", root, len(bad))
+    return sorted(found), len(bad), tmp_removed
+
+
+def write_file(data: memoryview, size: int, tmp: str, path: str, reused: int, direct: bool,
+               scratch: io.Scratch, root: str) -> tuple[int, bool]:
+    """Write ``data`` (padded to ``size``) to ``tmp`` (an existing file of ``reused`` bytes
+    when non-zero) and rename it to ``path``. Returns ``(errno, direct)``: 0 or the errno that
+    stopped it (``tmp`` is removed then), and False when O_DIRECT was refused here and the
+    write fell back to buffered I/O (the caller stops using O_DIRECT). ENOSPC/EDQUOT are
+    returned without a log line: the caller evicts and retries."""
+    for attempt in range(2):
+        create = 0 if reused else os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC | create | (io.O_DIRECT if direct else 0), 0o644)
+            try:
+                if direct:
+                    io.write_direct(fd, data, size, scratch)
+                else:
+                    io.pwrite_full(fd, data)
+                if reused > size:
+                    os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            return 0, direct
+        except OSError as exc:
+            io.unlink(tmp)
+            reused = 0
+            if attempt == 0 and exc.errno == errno.ENOENT:  # shard dir removed under us
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                continue
+            if attempt == 0 and direct and exc.errno == errno.EINVAL:
+                log.info("disk tier %s: O_DIRECT write refused, using buffered I/O", root)
+                direct = False
+                continue
+            if exc.errno not in NOSPACE:
+                log.warning("disk tier: writing %s failed: %s", path, exc)
+            return exc.errno or errno.EIO, direct
+    return errno.EIO, direct

@@ -1,0 +1,166 @@
+"""One data-port connection of the grpc tier's fast path: framing on the socket, deadlines,
+and the shared-memory segment it may map.
+
+:class:`DataConn` reads kvtier.wire frames (chunk bodies straight into the caller's buffers
+when ``targets`` is set, else into fresh ``bytes`` with one ``MSG_WAITALL`` recv on plain
+TCP), bounds every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain
+TCP, ``settimeout`` under TLS), and maps the server's /dev/shm segment when asked to.
+
+Ownership and threads: a connection belongs to one request at a time (the pool in
+``kvtier.tiers.grpc_data`` hands it out and takes it back); nothing here locks. Failure:
+``OSError``/``ssl.SSLError``/``ProtocolError`` propagate (the pool closes the connection and
+maps them to a node error); ``ValueError`` when a caller's buffer is too small.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Sequence
+
+from kvtier.wire import (
+    CHUNK,
+    SHM_READY,
+    Frame,
+    FrameReader,
+    ProtocolError,
+    ShmRef,
+    WireLimits,
+    encode_shm_mapped,
+    encode_shm_open,
+    parse_shm_ready,
+)
+from kvtier.wire_io import read_frame, send_all
+
+__all__ = ["DataConn"]
+
+# The data path's logger: these lines are the data path's, whichever module emits them.
+log = logging.getLogger("kvtier.tiers.grpc_data")
+_REARM_S = 0.01
+_SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^kvtier-[0-9]+-[0-9a-f]{24}$")
+
+
+class DataConn:
+    """One data connection: its socket, frame reader, deadlines and mapped segment. Used by
+    one request at a time (the pool in ``kvtier.tiers.grpc_data`` checks it out); socket and
+    protocol errors propagate to the caller, which closes the connection."""
+
+    def __init__(self, sock: socket.socket, limits: WireLimits) -> None:
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.targets: Sequence[memoryview] | None = None  # get_into destinations, by index
+        self.overflow: dict[int, int] = {}  # index -> length of a chunk too big for its target
+        self._armed = 0.0  # seconds SO_RCVTIMEO/SO_SNDTIMEO hold now (plain TCP)
+        self.reused = False  # taken from the idle pool (the server may have closed it meanwhile)
+        self.shm: memoryview | None = None  # this connection's shared segment, once mapped
+        self._shm_map: mmap.mmap | None = None
+        self.reader = FrameReader(limits, self._target)
+
+    def _target(self, header: object) -> memoryview | None:
+        if self.targets is None or getattr(header, "type", None) != CHUNK:
+            return None
+        index = header.count  # type: ignore[attr-defined]
+        if index >= len(self.targets) or self.targets[index].nbytes < header.length:  # type: ignore[attr-defined]
+            self.overflow[index] = header.length  # type: ignore[attr-defined]
+            return None  # the reader's own buffer takes it; the caller gets a ValueError
+        return self.targets[index]
+
+    def set_deadline(self, deadline: float) -> None:
+        """Bound the next socket calls by ``deadline``. Plain TCP re-arms SO_RCVTIMEO/SNDTIMEO
+        (two syscalls) only when a call started now could end before the deadline or more than
+        _REARM_S after it: once per request, then every _REARM_S, rather than once per frame."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if self.tls:
+            self.sock.settimeout(left)
+            return
+        if self._armed_until - deadline <= _REARM_S and self._armed_until >= deadline:
+            return
+        tv = struct.pack("ll", int(left), int((left % 1) * 1e6) or 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._armed = left
+
+    @property
+    def _armed_until(self) -> float:
+        """Latest moment a socket call started now could block until."""
+        return time.monotonic() + self._armed
+
+    def read(self, deadline: float) -> Frame:
+        self.set_deadline(deadline)
+        if self.tls or self.targets is not None:
+            return read_frame(self.sock, self.reader)
+        # Header by recv_into; a body that is a chunk: one MSG_WAITALL recv into fresh bytes,
+        # handed to the reader whole, so the bytes object itself becomes the result.
+        while True:
+            n = self.sock.recv_into(self.reader.buffer())
+            if n == 0:
+                raise ConnectionError("node closed the data connection")
+            frame = self.reader.advance(n)
+            if frame is not None:
+                return frame
+            if self.reader.need() > 4096:
+                while True:
+                    data = self.sock.recv(self.reader.need(), socket.MSG_WAITALL)
+                    if not data:
+                        raise ConnectionError("node closed the data connection")
+                    frames = self.reader.feed(data)
+                    if frames:
+                        return frames[0]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.shm = None
+        if self._shm_map is not None:
+            try:
+                self._shm_map.close()
+            except BufferError:  # a caller still holds a view: the GC unmaps it later
+                pass
+            self._shm_map = None
+
+    def open_shm(self, deadline: float) -> bool:
+        """Ask for a shared segment and map it; False (socket only) when either side cannot."""
+        send_all(self.sock, encode_shm_open())
+        frame = self.read(deadline)
+        if frame.type != SHM_READY:
+            return False  # ERROR: the server has it off
+        name, size = parse_shm_ready(frame)
+        mapping = None
+        if _SHM_NAME.match(name):
+            try:
+                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    if os.fstat(fd).st_size >= size:  # mapping past the end would SIGBUS on use
+                        mapping = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.info("data path: cannot map the server's segment %s (%s): socket only", name, exc)
+        send_all(self.sock, encode_shm_mapped(mapping is not None))
+        if mapping is None:
+            return False
+        self._shm_map, self.shm = mapping, memoryview(mapping)
+        return True
+
+    def resolve(self, ref: ShmRef, target: memoryview | None) -> bytes | int:
+        """Copy a referenced chunk out of the segment (before the connection is reused)."""
+        if self.shm is None or not ref.within(self.shm.nbytes):
+            raise ProtocolError(f"reference {ref} outside the mapped segment")
+        src = self.shm[ref.offset : ref.offset + ref.length]
+        if target is None:
+            return bytes(src)
+        if target.nbytes < ref.length:
+            raise ValueError(f"buffer of {target.nbytes} bytes is too small for a {ref.length}-byte chunk")
+        target[: ref.length] = src
+        return ref.length
