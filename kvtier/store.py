@@ -69,8 +69,9 @@ _Job = tuple[list[Entry], int]  # (entries, first tier level to write them to)
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], config: StoreConfig = StoreConfig(),
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None,
                  metrics: Metrics | None = None) -> None:
+        config = config if config is not None else StoreConfig()
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         names = [t.name for t in tiers]

@@ -11,8 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.keys import (KVLayout, NamespaceSpec, chunk_keys, chunk_spans, namespace_id,
-                         tenant_salt, tokens_to_bytes)
+from kvtier.keys import (
+    KVLayout,
+    NamespaceSpec,
+    chunk_keys,
+    chunk_spans,
+    namespace_id,
+    tenant_salt,
+    tokens_to_bytes,
+)
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "keys_v1.json").read_text())
 

@@ -175,8 +175,10 @@ def test_no_torch_in_the_daemon() -> None:
 
 
 def test_cli_help_and_config_errors(tmp_path: Path) -> None:
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier.server.main", *a], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=60, check=False)
+    def run(*a: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvtier.server.main", *a], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=False)
+
     help_text = run("--help").stdout
     for needle in ("--disk-dir", "--tokens-file", "--tls-cert", "--allow-insecure-remote", "KVTIER_SERVER_"):
         assert needle in help_text
