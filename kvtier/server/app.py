@@ -121,7 +121,8 @@ class KVTierServer:
         await server.start()
         self.grpc_server = server
         if cfg.http_port >= 0:
-            self.http = HttpSide(self.stats_document, self.metrics.exposition, lambda: not self.draining)
+            self.http = HttpSide(self.stats_document, self.metrics.exposition, lambda: not self.draining,
+                                 peers=cfg.peers)
             self.ports["http"] = await self.http.start(cfg.host, cfg.http_port)
         for service in ("", SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -148,7 +149,7 @@ class KVTierServer:
         return {
             "node_id": self.node_id, "version": __version__, "uptime_s": time.monotonic() - self.started,
             "ports": self.ports, "draining": self.draining,
-            "tenants": [_usage_dict(s.usage()) for s in self.storage.stores.values()],
+            "tenants": [_tenant_dict(s) for s in self.storage.stores.values()],
         }
 
     async def stop(self) -> None:
@@ -175,6 +176,15 @@ class KVTierServer:
 
 def _read(path: str) -> bytes:
     return Path(path).expanduser().read_bytes()
+
+
+def _tenant_dict(store: Any) -> dict[str, Any]:
+    """_usage_dict plus request traffic and per-tier evictions (by reason: a server tier
+    evicts only to stay within its capacity) for the cluster dashboard."""
+    doc = {**_usage_dict(store.usage()), **store.traffic.snapshot()}
+    for tier in doc["tiers"]:
+        tier["evictions"] = {"capacity": store.counters[tier["name"]].evicted}
+    return doc
 
 
 def _usage_dict(u: Any) -> dict[str, Any]:

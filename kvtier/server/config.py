@@ -20,10 +20,10 @@ from kvtier.config import (
     CpuTierConfig,
     DiskTierConfig,
     deep_merge,
-    read_yaml,
-    value_range,
     env_to_dict,
     from_dict,
+    read_yaml,
+    value_range,
 )
 from kvtier.errors import ConfigError
 
@@ -52,6 +52,9 @@ class ServerConfig:
     # Plain-text listeners on a non-loopback address leak tokens and chunks; refused unless set.
     allow_insecure_remote: bool = False
     node_id: str = ""
+    # Other servers' HTTP side ports (host:http_port) shown on this node's /dashboard; this
+    # node may be listed too (skipped by node id), so every node can share one list.
+    peers: tuple[str, ...] = ()
     # Auth: empty = off (one tenant, "default"). Format in kvtier.server.auth.
     tokens_file: str = ""
     # Quota of tenants whose token line names none (0 = an equal share of the capacity).
@@ -97,6 +100,10 @@ class ServerConfig:
                 f"max_message_bytes ({self.max_message_bytes})")
         if self.port < 0:
             raise ConfigError("port: the gRPC listener cannot be disabled")
+        for peer in self.peers:
+            host, sep, port = peer.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"peers: {peer!r} is not host:http_port")
         if not self.tls and not is_loopback(self.host) and not self.allow_insecure_remote:
             raise ConfigError(
                 f"host {self.host!r} is not a loopback address and TLS is off: tokens and chunks "

@@ -1,4 +1,6 @@
-"""The HTTP side port: ``/metrics`` (Prometheus text), ``/healthz`` and ``/api/stats`` (JSON).
+"""The HTTP side port: ``/metrics`` (Prometheus text), ``/healthz``, ``/api/stats`` (JSON), and
+the cluster dashboard: ``/dashboard`` (one self-contained page) over ``/api/cluster`` (this
+node's stats and its ``peers``', see :mod:`kvtier.server.dashboard`).
 
 A deliberately tiny HTTP/1.1 responder on the server's asyncio loop (stdlib only, no new
 dependency): GET only, one request per connection, bounded header size and read time.
@@ -12,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from kvtier.server import dashboard
 
 log = logging.getLogger(__name__)
 _MAX_HEAD = 16 << 10
@@ -22,13 +26,17 @@ _READ_TIMEOUT_S = 5.0
 
 class HttpSide:
     """``stats`` returns the /api/stats document; ``metrics`` the exposition bytes;
-    ``serving`` says whether /healthz answers 200 (503 while draining)."""
+    ``serving`` says whether /healthz answers 200 (503 while draining); ``peers`` are the
+    other servers' ``host:http_port`` that /api/cluster asks (each within
+    ``dashboard.PEER_TIMEOUT_S``; a dead one is shown down)."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], metrics: Callable[[], bytes],
-                 serving: Callable[[], bool]) -> None:
+                 serving: Callable[[], bool], peers: Sequence[str] = ()) -> None:
         self.stats = stats
         self.metrics = metrics
         self.serving = serving
+        self.peers = tuple(peers)
+        self._page: bytes | None = None
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -43,7 +51,7 @@ class HttpSide:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-            status, ctype, body = self._respond(head)
+            status, ctype, body = await self._respond(head)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
                 ConnectionError):
             status, ctype, body = 400, "text/plain", b"bad request\n"
@@ -57,7 +65,7 @@ class HttpSide:
         finally:
             writer.close()
 
-    def _respond(self, head: bytes) -> tuple[int, str, bytes]:
+    async def _respond(self, head: bytes) -> tuple[int, str, bytes]:
         if len(head) > _MAX_HEAD:
             return 431, "text/plain", b"request header too large\n"
         line = head.split(b"\r\n", 1)[0].decode("ascii")
@@ -74,14 +82,28 @@ class HttpSide:
             return (200, "text/plain", b"ok\n") if ok else (503, "text/plain", b"draining\n")
         if target == "/api/stats":
             return 200, "application/json", json.dumps(self.stats(), indent=1).encode() + b"\n"
-        return 404, "text/plain", b"not found: try /metrics, /healthz, /api/stats\n"
+        if target == "/api/cluster":  # waits on the peers (concurrently, bounded by their timeout)
+            doc = await dashboard.cluster(self.stats(), self.peers)
+            return 200, "application/json", json.dumps(doc).encode() + b"\n"
+        if target in ("/dashboard", "/"):
+            if self._page is None:
+                self._page = dashboard.dashboard_html()
+            return 200, "text/html; charset=utf-8", self._page
+        return 404, "text/plain", b"not found: try /dashboard, /metrics, /healthz, /api/stats, /api/cluster\n"
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
+# The page may only talk to this node: no CDN, font or beacon can load even if one slipped in.
+_CSP = ("Content-Security-Policy: default-src 'none'; script-src 'unsafe-inline'; "
+        "style-src 'unsafe-inline'; connect-src 'self'; img-src data:\r\n")
+
+
 def _response(status: int, ctype: str, body: bytes) -> bytes:
+    extra = _CSP if ctype.startswith("text/html") else ""
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n{extra}"
+            f"Connection: close\r\n\r\n").encode()
     return head + body

@@ -20,10 +20,13 @@ from kvtier.errors import ConfigError, KVTierError
 EPILOG = """\
 examples:
   kvtier-server                                   RAM only, loopback, ports 50051 (gRPC),
-                                                  50052 (HTTP: /metrics /healthz /api/stats),
+                                                  50052 (HTTP: /metrics /healthz /api/stats
+                                                  /api/cluster /dashboard),
                                                   50053 (bulk data path)
   kvtier-server --disk-dir /mnt/nvme/kvtier --disk-bytes 200GiB --cpu-bytes 16GiB
                                                   chunks survive restarts (kill -9 included)
+  kvtier-server --node-id a --peers 10.0.0.2:50052,10.0.0.3:50052
+                                                  /dashboard shows this node and its peers
   kvtier-server --host 0.0.0.0 --tls-cert node.pem --tls-key node.key \\
       --tokens-file /etc/kvtier/tokens            remote clients, TLS, one namespace per tenant
 
@@ -55,6 +58,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "tls_key": ("tls_key", "PEM private key of --tls-cert"),
     "tls_client_ca": ("tls_client_ca", "PEM CA bundle; clients must present a certificate it signed (mTLS)"),
     "node_id": ("node_id", "name of this node in stats (default host:pid)"),
+    "peers": ("peers", "other servers' host:http_port, comma-separated, for /dashboard and /api/cluster"),
     "ready_file": ("ready_file", "write JSON with the bound ports here once serving"),
     "log_level": ("log_level", "DEBUG, INFO (default), WARNING or ERROR"),
     "grace": ("grace_s", "seconds in-flight requests get to finish on SIGTERM (default 10)"),

@@ -32,13 +32,24 @@ class _StorageCollector(Collector):
         entries = GaugeMetricFamily("kvtier_server_tier_entries", "Chunks held", labels=["tenant", "tier"])
         evictions = CounterMetricFamily("kvtier_server_evictions", "Chunks evicted to stay within capacity",
                                         labels=["tenant", "tier"])
+        hits = CounterMetricFamily("kvtier_server_hit_chunks", "Chunks found, by the tier that held them",
+                                   labels=["tenant", "tier", "op"])
+        misses = CounterMetricFamily("kvtier_server_miss_chunks", "Chunks not found, by reason "
+                                     "(a lookup counts the chunks after the run stopped)",
+                                     labels=["tenant", "reason", "op"])
         for name, store in self.storage.stores.items():
             for usage in store.usage().tiers:
                 used.add_metric([name, usage.name], usage.used_bytes)
                 cap.add_metric([name, usage.name], usage.capacity_bytes)
                 entries.add_metric([name, usage.name], usage.entries)
                 evictions.add_metric([name, usage.name], store.counters[usage.name].evicted)
-        yield from (used, cap, entries, evictions)
+            traffic = store.traffic.snapshot()
+            for op in ("lookup", "get"):
+                for tier, n in traffic[op]["hit_chunks"].items():
+                    hits.add_metric([name, tier, op], n)
+                for reason, n in traffic[op]["miss_chunks"].items():
+                    misses.add_metric([name, reason, op], n)
+        yield from (used, cap, entries, evictions, hits, misses)
 
 
 class ServerMetrics:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,50 @@ class TenantUsage:
     tiers: tuple[TierUsage, ...]
 
 
+class Traffic:
+    """Request-side counters of one tenant store, for /api/stats and the cluster dashboard:
+    chunk hits by the tier that served them and chunk misses by reason, separately for
+    lookups (probes) and reads, plus chunk bytes stored and served. A lookup that stops at
+    chunk i of n counts n - i misses under the reason the run stopped (as the library's
+    ``kvtier_lookup_miss_tokens_total`` does). Thread-safe: one lock, a few adds a request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lookups = 0
+        self.lookup_hits: Counter[str] = Counter()
+        self.lookup_misses: Counter[str] = Counter()
+        self.get_hits: Counter[str] = Counter()
+        self.get_misses: Counter[str] = Counter()
+        self.bytes_in = self.bytes_out = self.puts_refused = 0
+
+    def lookup(self, hits: Counter[str], missed: int, reason: str) -> None:
+        with self._lock:
+            self.lookups += 1
+            self.lookup_hits.update(hits)
+            if missed:
+                self.lookup_misses[reason] += missed
+
+    def get(self, hits: Counter[str], misses: Iterable[Miss], nbytes: int) -> None:
+        with self._lock:
+            self.get_hits.update(hits)
+            self.get_misses.update(m.reason for m in misses)
+            self.bytes_out += nbytes
+
+    def put(self, stored_bytes: int, refused: int) -> None:
+        with self._lock:
+            self.bytes_in += stored_bytes
+            self.puts_refused += refused
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "lookup": {"requests": self.lookups, "hit_chunks": dict(self.lookup_hits),
+                           "miss_chunks": dict(self.lookup_misses)},
+                "get": {"hit_chunks": dict(self.get_hits), "miss_chunks": dict(self.get_misses)},
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "puts_refused": self.puts_refused,
+            }
+
+
 class TenantStore:
     """One tenant's chunks. ``ram`` may be absent (cpu disabled), ``disk`` too (disk
     disabled), never both. The bottom tier bounds the tenant: it is the quota."""
@@ -63,15 +109,24 @@ class TenantStore:
         # Count evictions through the tiers' pluggable policy: an evict listener would make
         # the tiers copy (RAM) or re-read (disk) every victim just to be counted.
         self.counters = {t.name: _count_evictions(t) for t in self.tiers}
+        self.traffic = Traffic()
 
     @property
     def quota_bytes(self) -> int:
         return self.bottom.usage().capacity_bytes
 
     def probe(self, keys: Sequence[bytes]) -> Probe:
-        """Leading keys present in any of the tenant's tiers."""
+        """Leading keys present in any of the tenant's tiers (counted in ``traffic``)."""
+        result, by_tier = self._probe(keys)
+        self.traffic.lookup(by_tier, len(keys) - result.hits, result.reason)
+        return result
+
+    def _probe(self, keys: Sequence[bytes]) -> tuple[Probe, Counter[str]]:
+        by_tier: Counter[str] = Counter()
         if len(self.tiers) == 1:
-            return self.tiers[0].probe(keys)
+            p = self.tiers[0].probe(keys)
+            by_tier[self.tiers[0].name] += p.hits
+            return p, by_tier
         hits, reason = 0, "absent"
         while hits < len(keys):
             advanced = False
@@ -79,18 +134,32 @@ class TenantStore:
                 p = tier.probe(keys[hits:])
                 if p.hits:
                     hits += p.hits
+                    by_tier[tier.name] += p.hits
                     advanced = True
                 else:
                     reason = p.reason
                 if hits == len(keys):
                     break
             if not advanced:
-                return Probe(hits, reason)
-        return Probe(hits)
+                return Probe(hits, reason), by_tier
+        return Probe(hits), by_tier
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
         """Chunks (fresh bytes) or misses; a disk hit is promoted into RAM."""
         first = self.tiers[0].get(keys)
+        top_hits = sum(not isinstance(v, Miss) for v in first)
+        result = self._get_below(keys, first)
+        self._count_get(top_hits, result, [len(v) for v in result if not isinstance(v, Miss)])
+        return result
+
+    def _count_get(self, top_hits: int, result: Sequence[object], sizes: Iterable[int]) -> None:
+        misses = [v for v in result if isinstance(v, Miss)]
+        hits = Counter({self.tiers[0].name: top_hits})
+        if len(self.tiers) > 1:
+            hits[self.tiers[1].name] = len(result) - len(misses) - top_hits
+        self.traffic.get(+hits, misses, sum(sizes))
+
+    def _get_below(self, keys: Sequence[bytes], first: list[bytes | Miss]) -> list[bytes | Miss]:
         if len(self.tiers) == 1 or self.disk is None:
             return first
         missing = [i for i, v in enumerate(first) if isinstance(v, Miss)]
@@ -110,6 +179,13 @@ class TenantStore:
         """Chunks copied into ``outs`` (no allocation); a disk hit is promoted into RAM.
         Raises ValueError when a chunk does not fit its buffer (as the tiers do)."""
         first = self.tiers[0].get_into(keys, outs)
+        top_hits = sum(not isinstance(v, Miss) for v in first)
+        result = self._get_into_below(keys, outs, first)
+        self._count_get(top_hits, result, [v for v in result if not isinstance(v, Miss)])
+        return result
+
+    def _get_into_below(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                        first: list[int | Miss]) -> list[int | Miss]:
         if self.disk is None or self.tiers[0] is self.disk:
             return first
         missing = [i for i, v in enumerate(first) if isinstance(v, Miss)]
@@ -129,12 +205,15 @@ class TenantStore:
         """Stored when the bottom tier (the tenant's quota) took it; RAM is a cache."""
         if self.disk is None:
             assert self.ram is not None
-            return self.ram.put(entries)
-        stored = self.disk.put(entries)
-        if self.ram is not None:
-            kept = [e for e, ok in zip(entries, stored) if ok]
-            if kept:
-                self.ram.put(kept)
+            stored = self.ram.put(entries)
+        else:
+            stored = self.disk.put(entries)
+            if self.ram is not None:
+                kept = [e for e, ok in zip(entries, stored) if ok]
+                if kept:
+                    self.ram.put(kept)
+        self.traffic.put(sum(memoryview(e.data).nbytes for e, ok in zip(entries, stored) if ok),
+                         stored.count(False))
         return stored
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:

@@ -1,0 +1,231 @@
+"""The cluster dashboard's data: this node's /api/stats plus its peers', summarised per node
+and tier (the document GET /api/cluster returns and /dashboard renders).
+
+Two halves. The I/O half (:func:`fetch_stats`, :func:`gather`) asks every configured peer for
+its ``/api/stats`` concurrently on the server's asyncio loop, each with one deadline covering
+connect, request and reply; a peer that refuses, stalls, or answers garbage becomes a
+:class:`PeerReply` with an error and shows as *down* -- it never raises and never holds the
+page longer than the deadline. The pure half (:func:`node_summary`, :func:`cluster_document`)
+turns stats documents into the dashboard document without I/O, so it is unit-tested directly.
+
+Definitions (the dashboard and deploy/grafana use the same ones):
+- chunk hits and misses count Lookup probes and Get reads together; a lookup that stops at
+  chunk i of n counts n - i misses under the reason it stopped;
+- a tier's hit rate is the share of the chunks that *reached* it (its hits, the hits of the
+  tiers below it, and the misses) that it served; a node's hit rate is hits / (hits + misses);
+- ``capacity_bytes`` of a tier is the sum of its tenants' shares (what it can hold).
+Stats from an older server that lacks the traffic fields read as zeros, never as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+log = logging.getLogger(__name__)
+PEER_TIMEOUT_S = 1.0  # per peer, connect to last byte; the page waits at most this long
+MAX_REPLY_BYTES = 8 << 20  # a stats document is KiBs; anything bigger is not one
+
+
+@dataclass(frozen=True)
+class PeerReply:
+    """One peer's answer: its stats document, or why there is none."""
+
+    address: str
+    doc: dict[str, Any] | None
+    error: str = ""
+    elapsed_s: float = 0.0
+
+
+# --- I/O half --------------------------------------------------------------------------------
+
+def split_hostport(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError when it is neither."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def parse_http_reply(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a complete ``HTTP/1.x 200`` reply; ValueError for anything else."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        raise ValueError("truncated reply")
+    status = head.split(b"\r\n", 1)[0].split()
+    if len(status) < 2 or not status[0].startswith(b"HTTP/"):
+        raise ValueError("not an HTTP reply")
+    if status[1] != b"200":
+        raise ValueError(f"HTTP {status[1].decode('ascii', 'replace')}")
+    doc = json.loads(body)
+    if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list):
+        raise ValueError("not a kvtier /api/stats document")  # noqa: TRY004 - bad peer data, not a caller bug
+    return doc
+
+
+async def fetch_stats(address: str, timeout: float = PEER_TIMEOUT_S) -> PeerReply:
+    """GET http://address/api/stats within ``timeout`` seconds. Never raises for a network or
+    protocol failure: the reply then carries ``doc=None`` and the error text."""
+    start = time.monotonic()
+    try:
+        doc = await asyncio.wait_for(_get(address, "/api/stats"), timeout)
+    except asyncio.TimeoutError:
+        error = f"no reply within {timeout:g}s"
+    except ConnectionRefusedError:
+        error = "connection refused"
+    except OSError as exc:  # asyncio's connect errors carry the text in strerror, not errno's
+        error = exc.strerror or str(exc) or type(exc).__name__
+    except (ValueError, asyncio.IncompleteReadError) as exc:  # JSONDecodeError is a ValueError
+        error = f"bad reply: {exc}"
+    else:
+        return PeerReply(address, doc, "", time.monotonic() - start)
+    log.debug("peer %s down: %s", address, error)
+    return PeerReply(address, None, error, time.monotonic() - start)
+
+
+async def _get(address: str, path: str) -> dict[str, Any]:
+    host, port = split_hostport(address)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        raw = await reader.read(MAX_REPLY_BYTES + 1)
+        while raw and len(raw) <= MAX_REPLY_BYTES:
+            more = await reader.read(MAX_REPLY_BYTES + 1 - len(raw))
+            if not more:
+                break
+            raw += more
+        if len(raw) > MAX_REPLY_BYTES:
+            raise ValueError(f"reply over {MAX_REPLY_BYTES} bytes")
+        return parse_http_reply(raw)
+    finally:
+        writer.close()
+
+
+async def gather(peers: Sequence[str], timeout: float = PEER_TIMEOUT_S) -> list[PeerReply]:
+    """Every peer's reply, fetched concurrently, in ``peers`` order."""
+    return list(await asyncio.gather(*(fetch_stats(p, timeout) for p in peers)))
+
+
+async def cluster(local: dict[str, Any], peers: Sequence[str],
+                  timeout: float = PEER_TIMEOUT_S) -> dict[str, Any]:
+    """The /api/cluster document: ``local`` (this node's stats) and its peers'."""
+    return cluster_document(local, await gather(peers, timeout))
+
+
+def dashboard_html() -> bytes:
+    """The page, shipped as package data (kvtier/server/static/dashboard.html)."""
+    return resources.files("kvtier.server").joinpath("static/dashboard.html").read_bytes()
+
+
+# --- pure half -------------------------------------------------------------------------------
+
+def _sum(values: Mapping[str, Any] | None) -> int:
+    return sum(int(v) for v in (values or {}).values())
+
+
+def _rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def node_summary(doc: Mapping[str, Any], address: str = "", latency_s: float = 0.0) -> dict[str, Any]:
+    """One node's dashboard entry from its /api/stats document: tiers summed over tenants
+    (in the order the node stacks them, fastest first), tenants, and node totals."""
+    tiers: dict[str, dict[str, Any]] = {}
+    tenants: list[dict[str, Any]] = []
+    misses: Counter[str] = Counter()
+    totals: Counter[str] = Counter()
+    for t in doc.get("tenants", ()):
+        lookup, get = t.get("lookup") or {}, t.get("get") or {}
+        t_hits = _sum(lookup.get("hit_chunks")) + _sum(get.get("hit_chunks"))
+        t_miss = Counter(lookup.get("miss_chunks") or {}) + Counter(get.get("miss_chunks") or {})
+        misses.update(t_miss)
+        for tier in t.get("tiers", ()):
+            agg = tiers.setdefault(tier["name"], {"name": tier["name"], "used_bytes": 0, "capacity_bytes": 0,
+                                                  "entries": 0, "hit_chunks": 0, "evictions": Counter()})
+            for k in ("used_bytes", "capacity_bytes", "entries"):
+                agg[k] += int(tier.get(k, 0))
+            agg["hit_chunks"] += int((lookup.get("hit_chunks") or {}).get(tier["name"], 0))
+            agg["hit_chunks"] += int((get.get("hit_chunks") or {}).get(tier["name"], 0))
+            agg["evictions"].update(tier.get("evictions") or {})
+        tenants.append({
+            "tenant": t.get("tenant", "?"), "used_bytes": int(t.get("used_bytes", 0)),
+            "quota_bytes": int(t.get("quota_bytes", 0)), "entries": int(t.get("entries", 0)),
+            "evictions": int(t.get("evictions", 0)), "hit_chunks": t_hits, "miss_chunks": sum(t_miss.values()),
+            "hit_rate": _rate(t_hits, sum(t_miss.values())), "lookups": int(lookup.get("requests", 0)),
+            "bytes_in": int(t.get("bytes_in", 0)), "bytes_out": int(t.get("bytes_out", 0))})
+        totals.update({k: tenants[-1][k] for k in ("hit_chunks", "miss_chunks", "lookups", "bytes_in", "bytes_out")})
+    miss_total = sum(misses.values())
+    below = miss_total  # chunks that reached a tier = its hits + hits of tiers below + misses
+    tier_list = list(tiers.values())
+    for agg in reversed(tier_list):
+        below += agg["hit_chunks"]
+        agg["hit_rate"] = _rate(agg["hit_chunks"], below - agg["hit_chunks"])
+        agg["evictions"] = dict(agg["evictions"])
+    # The bottom tier bounds what a node holds (RAM caches it when there is a disk).
+    bottom = tier_list[-1] if tier_list else {"used_bytes": 0, "capacity_bytes": 0, "entries": 0}
+    evictions: Counter[str] = Counter()
+    for agg in tier_list:
+        evictions.update(agg["evictions"])
+    return {
+        "node_id": str(doc.get("node_id", address)), "address": address, "up": True, "error": "",
+        "draining": bool(doc.get("draining", False)), "version": str(doc.get("version", "")),
+        "uptime_s": float(doc.get("uptime_s", 0.0)), "latency_ms": round(latency_s * 1000, 1),
+        "tiers": tier_list, "tenants": tenants,
+        "totals": {"used_bytes": bottom["used_bytes"], "capacity_bytes": bottom["capacity_bytes"],
+                   "entries": bottom["entries"], **{k: totals[k] for k in
+                   ("hit_chunks", "miss_chunks", "lookups", "bytes_in", "bytes_out")},
+                   "hit_rate": _rate(totals["hit_chunks"], totals["miss_chunks"]),
+                   "miss_reasons": dict(misses), "evictions": dict(evictions)},
+    }
+
+
+def down_node(reply: PeerReply) -> dict[str, Any]:
+    """A node that did not answer: shown, marked down, with why."""
+    return {"node_id": reply.address, "address": reply.address, "up": False, "error": reply.error,
+            "draining": False, "version": "", "uptime_s": 0.0, "latency_ms": round(reply.elapsed_s * 1000, 1),
+            "tiers": [], "tenants": [], "totals": {}}
+
+
+def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
+                     now: float | None = None) -> dict[str, Any]:
+    """This node first, then each peer in order (a peer that is this node is dropped, so
+    every node can be given the same list), and cluster totals over the nodes that are up."""
+    me = str(local.get("node_id", ""))
+    nodes = [node_summary(local, "self")]
+    for reply in replies:
+        if reply.doc is None:
+            nodes.append(down_node(reply))
+        elif str(reply.doc.get("node_id", "")) != me:
+            nodes.append(node_summary(reply.doc, reply.address, reply.elapsed_s))
+    up = [n for n in nodes if n["up"]]
+    total: Counter[str] = Counter()
+    evictions: Counter[str] = Counter()
+    misses: Counter[str] = Counter()
+    tiers: dict[str, Counter[str]] = {}
+    for n in up:
+        t = n["totals"]
+        total.update({k: t[k] for k in ("used_bytes", "capacity_bytes", "entries", "hit_chunks",
+                                         "miss_chunks", "lookups", "bytes_in", "bytes_out")})
+        evictions.update(t["evictions"])
+        misses.update(t["miss_reasons"])
+        for tier in n["tiers"]:
+            agg = tiers.setdefault(tier["name"], Counter())
+            agg.update({k: tier[k] for k in ("used_bytes", "capacity_bytes", "entries", "hit_chunks")})
+            agg["evictions"] += sum(tier["evictions"].values())
+    return {
+        "generated_at": time.time() if now is None else now, "self": me,
+        "nodes_up": len(up), "nodes_down": len(nodes) - len(up), "nodes": nodes,
+        "totals": {**{k: total[k] for k in ("used_bytes", "capacity_bytes", "entries", "hit_chunks",
+                                             "miss_chunks", "lookups", "bytes_in", "bytes_out")},
+                   "hit_rate": _rate(total["hit_chunks"], total["miss_chunks"]),
+                   "evictions": dict(evictions), "miss_reasons": dict(misses)},
+        "tiers": [{"name": name, **dict(c)} for name, c in tiers.items()],
+    }
