@@ -130,18 +130,25 @@ def test_http_side_port(server: ServerProc, stub: pb_grpc.KVTierStub) -> None:
 def test_sigterm_finishes_in_flight_and_restart_serves_from_disk(tmp_path: Path) -> None:
     s = start_server(tmp_path, "--disk-dir", "disk", "--disk-bytes", "32MiB")
     keys = make_keys(6, seed=8)
-    sent_first = threading.Event()
+    in_flight = threading.Event()
 
     def slow_stream() -> Iterator[pb.PutRequest]:
         for i, k in enumerate(keys):
             yield pb.PutRequest(items=[pb.PutItem(key=k, chunk=make_chunk(k, 8192, i))])
-            sent_first.set()
+            if i == 0:
+                in_flight.wait(10)  # hold the stream open until the server is handling it
             time.sleep(0.15)
 
-    with grpc.insecure_channel(s.address) as ch:
+    with grpc.insecure_channel(s.address) as ch, grpc.insecure_channel(s.address) as probe:
         fut = pb_grpc.KVTierStub(ch).Put.future(slow_stream(), timeout=20)
-        assert sent_first.wait(10)
+        # SIGTERM only once the server has stored the first chunk: before that the call may not
+        # have reached the handler, and refusing a call that never started is correct shutdown.
+        deadline = time.monotonic() + 10
+        while pb_grpc.KVTierStub(probe).Lookup(pb.LookupRequest(keys=keys[:1]), timeout=5).hits != 1:
+            assert time.monotonic() < deadline, "the first chunk never arrived"
+            time.sleep(0.01)
         s.proc.send_signal(15)  # SIGTERM while the stream is mid-way
+        in_flight.set()
         assert list(fut.result().stored) == [True] * 6
     assert s.proc.wait(20) == 0, s.log
     assert "stopped cleanly" in s.log
