@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.codec import Buf
 from kvtier.keys import KEY_BYTES
+from kvtier.policy import EvictionPolicy
 
 # Miss reasons: each is a metric label value (kvtier_lookup_miss_tokens_total{reason=...}).
 ABSENT = "absent"
@@ -116,6 +117,20 @@ def check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got one of {len(k)}")
 
 
+def copy_into(values: Sequence[bytes | Miss], outs: Sequence[memoryview]) -> list[int | Miss]:
+    """``get_into`` from ``get``'s results: copy each hit into its buffer, pass misses through."""
+    results: list[int | Miss] = []
+    for value, out in zip(values, outs):
+        if isinstance(value, Miss):
+            results.append(value)
+            continue
+        if len(value) > out.nbytes:
+            raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {len(value)}-byte chunk")
+        out[: len(value)] = value
+        results.append(len(value))
+    return results
+
+
 class TierBase:
     """Shared plumbing: derived verbs, the closed flag, and the evicted-key memory that lets a
     miss say ``evicted`` rather than ``absent``. Subclasses implement ``_probe``, ``get``,
@@ -142,16 +157,7 @@ class TierBase:
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         if len(keys) != len(outs):
             raise ValueError(f"get_into got {len(keys)} keys and {len(outs)} buffers")
-        results: list[int | Miss] = []
-        for value, out in zip(self.get(keys), outs):
-            if isinstance(value, Miss):
-                results.append(value)
-                continue
-            if len(value) > out.nbytes:
-                raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {len(value)}-byte chunk")
-            out[: len(value)] = value
-            results.append(len(value))
-        return results
+        return copy_into(self.get(keys), outs)
 
     def check(self) -> list[str]:
         """Invariant violations (empty when healthy); tests call it after every scenario."""
@@ -190,3 +196,32 @@ class TierBase:
 
     def _absent(self, key: bytes) -> Miss:
         return Miss(EVICTED) if key in self._ghosts else Miss(ABSENT)
+
+
+class BoundedTier(TierBase):
+    """A tier that bounds its own bytes with an :class:`EvictionPolicy` (memory, cpu, disk).
+
+    Subclasses set ``capacity_bytes``, ``policy`` and ``_used`` and implement ``_entries``.
+    """
+
+    capacity_bytes: int
+    policy: EvictionPolicy
+    _used: int
+
+    def _entries(self) -> int:
+        raise NotImplementedError
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Never evict ``keys`` (hot system prompts) until :meth:`unpin`."""
+        with self._lock:
+            for key in keys:
+                self.policy.pin(key)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self.policy.unpin(key)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.name, self._used, self.capacity_bytes, self._entries())

@@ -38,7 +38,7 @@ import numpy as np
 
 from kvtier.config import CpuTierConfig
 from kvtier.policy import NothingToEvict, make_policy
-from kvtier.tiers.base import Entry, Miss, Probe, TierBase, TierUsage, check_keys
+from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _allocate_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview, bool
     return (buf, arr), arr.data, False
 
 
-class CpuTier(TierBase):
+class CpuTier(BoundedTier):
     """See the module docstring for the threading and ownership rules."""
 
     def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu") -> None:
@@ -256,19 +256,8 @@ class CpuTier(TierBase):
             self._check_open()
             return sum(1 for key in keys if self._unmap(key))
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self.policy.pin(key)
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self.policy.unpin(key)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(self.name, self._used, self.capacity_bytes, len(self._map))
+    def _entries(self) -> int:
+        return len(self._map)
 
     def check(self) -> list[str]:
         with self._lock:

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
 
 from kvtier.policy import NothingToEvict, make_policy
 from kvtier.tiers import disk_io as io
-from kvtier.tiers.base import Miss, TierBase, TierUsage
+from kvtier.tiers.base import BoundedTier, Miss
 from kvtier.tiers.disk_layout import RebuildStats, chunk_path, scan
 
 __all__ = ["DiskIndex", "Pending"]
@@ -40,7 +39,7 @@ class Pending:
         self.evicted: list[tuple[bytes, bytes]] = []
 
 
-class DiskIndex(TierBase):
+class DiskIndex(BoundedTier):
     """Index, byte counts and eviction of a disk tier rooted at ``root``; subclasses provide
     :meth:`_read` (the evict listener is handed the victim's verified bytes)."""
 
@@ -158,19 +157,8 @@ class DiskIndex(TierBase):
                 listener(key, value)
 
     # --- the index side of the contract -------------------------------------------------------
-    def pin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self.policy.pin(key)
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self.policy.unpin(key)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(self.name, self._used, self.capacity_bytes, len(self._index))
+    def _entries(self) -> int:
+        return len(self._index)
 
     def check(self) -> list[str]:
         with self._lock:

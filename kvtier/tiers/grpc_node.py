@@ -29,7 +29,7 @@ from kvtier.config import GrpcTierConfig
 from kvtier.errors import ChunkError, TierUnavailableError
 from kvtier.server.gen import kvtier_pb2 as pb
 from kvtier.server.gen import kvtier_pb2_grpc as pb_grpc
-from kvtier.tiers.base import CORRUPT, ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe
+from kvtier.tiers.base import CORRUPT, ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe, copy_into
 from kvtier.wire import WireLimits
 
 if TYPE_CHECKING:
@@ -308,16 +308,7 @@ class NodeClient:
                 if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
                     raise
                 self._data_failed(exc)
-        results: list[int | Miss] = []
-        for value, out in zip(self.grpc_get(keys, deadline), outs):
-            if isinstance(value, Miss):
-                results.append(value)
-                continue
-            if len(value) > out.nbytes:
-                raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {len(value)}-byte chunk")
-            out[: len(value)] = value
-            results.append(len(value))
-        return results
+        return copy_into(self.grpc_get(keys, deadline), outs)
 
     def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         data = self._data_path(deadline)

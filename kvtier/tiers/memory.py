@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.policy import DEFAULT_POLICY, EvictionPolicy, NothingToEvict, make_policy
-from kvtier.tiers.base import Entry, Miss, Probe, TierBase, TierUsage, check_keys
+from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys
 
 
-class MemoryTier(TierBase):
+class MemoryTier(BoundedTier):
     def __init__(self, capacity_bytes: int = 1 << 30, policy: EvictionPolicy | str = DEFAULT_POLICY,
                  name: str = "memory") -> None:
         super().__init__()
@@ -96,19 +96,8 @@ class MemoryTier(TierBase):
                     n += 1
             return n
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self.policy.pin(key)
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self.policy.unpin(key)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(self.name, self._used, self.capacity_bytes, len(self._data))
+    def _entries(self) -> int:
+        return len(self._data)
 
     def check(self) -> list[str]:
         with self._lock:
