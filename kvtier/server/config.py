@@ -9,7 +9,6 @@ tenant's chunks in a RAM tier over an optional disk tier (see :mod:`kvtier.serve
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from kvtier.config import (
     value_range,
 )
 from kvtier.errors import ConfigError
+from kvtier.wire import is_loopback
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -110,14 +110,6 @@ class ServerConfig:
                 "would cross the network in clear. Give --tls-cert/--tls-key, or pass "
                 "--allow-insecure-remote if the network is trusted")
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 def load_server_config(path: str | os.PathLike[str] | None = None,

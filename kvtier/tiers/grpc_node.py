@@ -11,7 +11,6 @@ changes under a lock.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import random
@@ -30,7 +29,7 @@ from kvtier.errors import ChunkError, TierUnavailableError
 from kvtier.server.gen import kvtier_pb2 as pb
 from kvtier.server.gen import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.base import CORRUPT, ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe, copy_into
-from kvtier.wire import WireLimits
+from kvtier.wire import WireLimits, is_loopback
 
 if TYPE_CHECKING:
     from kvtier.tiers.grpc_data import SocketDataPath
@@ -91,14 +90,6 @@ def channel_credentials(cfg: GrpcTierConfig) -> grpc.ChannelCredentials | None:
     except OSError as exc:
         raise TierUnavailableError(f"grpc tier: TLS file: {exc}") from exc
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def client_ssl_context(cfg: GrpcTierConfig) -> ssl.SSLContext:
