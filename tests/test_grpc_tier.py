@@ -222,7 +222,9 @@ def test_hung_node_times_out_within_deadline_then_recovers(tmp_path: Path) -> No
     nodes = _cluster(tmp_path, 2)
     timeout = 1.0
     tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=tuple(n.address for n in nodes), replication=1,
-                                   timeout_s=timeout, backoff_s=0.1, backoff_max_s=0.3))
+                                   timeout_s=timeout, backoff_s=3.0, backoff_max_s=3.0))
+    # The backoff outlasts the calls below even on a loaded machine: a shorter one lets a later
+    # call legitimately retry the hung node and wait out a second deadline.
     try:
         keys = make_keys(40, seed=12)
         chunks = [make_chunk(k, 8000, i) for i, k in enumerate(keys)]
