@@ -7,8 +7,8 @@ chunks into (and out of) a pre-touched arena, and O_DIRECT sequential writes/rea
 chunk-sized blocks to one file in the disk tier's directory (into already-allocated blocks:
 the steady state of a full tier, which reuses its victims' files; the allocating figure is
 printed too, next to puts into an empty tier). Tiers, on chunks of a realistic shape: cpu
-put / get_into; disk put (full tier, every put evicts), put from page-aligned sources (no
-bounce copy), get_into into page-aligned buffers (as pinned staging buffers are) and into
+put / get_into; disk put of encode_chunk's output (page-aligned since chunk.py allocates it
+so; full tier, every put evicts), put from staged page-aligned copies, get_into into page-aligned buffers (as pinned staging buffers are) and into
 unaligned ones; and the lookup latency of a 131,072-token prompt (its 512 chunk keys plus a
 probe of cpu and disk tiers holding all of them).
 
@@ -68,7 +68,7 @@ def aligned(nbytes: int) -> memoryview:
     return view
 
 
-def make_chunks(n: int, rep: int) -> tuple[list[bytes], list[bytearray]]:
+def make_chunks(n: int, rep: int) -> tuple[list[bytes], list[memoryview]]:
     rng = np.random.default_rng(rep)
     payload_len = int(np.prod(SHAPE)) * 2
     keys = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(n)]

@@ -30,6 +30,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvtier.codec import Buf, Codec, compress, decompress
@@ -43,6 +44,7 @@ _CHECK = struct.Struct("<Q")
 HEADER_SIZE = _HEAD.size + _CHECK.size
 assert HEADER_SIZE == 128
 FLAG_SHUFFLE = 1
+PAGE = 4096
 
 # dtype name -> (code, itemsize). Codes are part of the on-disk format: never renumber.
 DTYPES: dict[str, tuple[int, int]] = {
@@ -100,6 +102,13 @@ class Chunk:
     payload: Buf
 
 
+def page_aligned_buffer(nbytes: int) -> memoryview:
+    """A writable ``nbytes`` buffer starting on a page boundary (pages are touched on write)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = -raw.ctypes.data % PAGE
+    return memoryview(raw[off : off + nbytes].data)
+
+
 def encode_chunk(
     namespace: bytes,
     key: bytes,
@@ -109,8 +118,9 @@ def encode_chunk(
     *,
     codec: Codec | str = Codec.RAW,
     shuffle: bool = False,
-) -> bytearray:
-    """Header + encoded payload in one fresh buffer (one copy of ``payload`` for raw)."""
+) -> memoryview:
+    """Header + encoded payload in one fresh, writable, page-aligned buffer (one copy of
+    ``payload`` for raw). Page alignment lets the disk tier write it with O_DIRECT in place."""
     codec = Codec.parse(codec)
     if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES:
         raise ValueError(f"namespace and key must be {KEY_BYTES} bytes each")
@@ -131,7 +141,7 @@ def encode_chunk(
         layers, tokens, heads, head_dim, namespace, key, expect, stored_len,
         xxhash.xxh3_64_intdigest(stored),
     )
-    out = bytearray(HEADER_SIZE + stored_len)
+    out = page_aligned_buffer(HEADER_SIZE + stored_len)
     out[: _HEAD.size] = head
     out[_HEAD.size : HEADER_SIZE] = _CHECK.pack(xxhash.xxh3_64_intdigest(head))
     out[HEADER_SIZE:] = stored

@@ -41,7 +41,7 @@ def test_shuffle_inverts() -> None:
                       shuffle_itemsize=2) == data
 
 
-def _encoded() -> bytearray:
+def _encoded() -> memoryview:
     return encode_chunk(NS, KEY, "float16", SHAPE, _payload())
 
 
@@ -73,7 +73,7 @@ def test_truncated_and_flipped_chunks_are_refused() -> None:
 
 
 def test_padding_after_payload_is_ignored() -> None:
-    data = _encoded() + b"\0" * 4000
+    data = bytes(_encoded()) + b"\0" * 4000
     assert bytes(decode_chunk(data).payload) == _payload()
 
 
@@ -112,3 +112,10 @@ def test_decoder_fuzz_mutations(flips: list[tuple[int, int]], codec: str) -> Non
 def test_header_alone_parses() -> None:
     h = decode_header(_encoded())
     assert h.shape == SHAPE and h.tokens == 16 and h.nbytes == HEADER_SIZE + h.payload_len
+
+
+def test_encoded_chunks_are_page_aligned_and_writable() -> None:
+    import numpy as np
+
+    data = _encoded()
+    assert np.frombuffer(data, np.uint8).ctypes.data % 4096 == 0 and not data.readonly
