@@ -340,12 +340,9 @@ def main() -> None:
     }
     print("ratios (medians, 1 MiB x 4 clients): " + ", ".join(
         f"{k} {v:.2f}" for k, v in out.items() if k.endswith(("redis", "tcp", "tuned")) and v is not None))
-    try:
-        from remote_redis import run_redis_bench
-    except ImportError:
-        pass
-    else:  # the redis tier's own figures (another bench), merged into this JSON line
-        out["redis_tier"] = run_redis_bench(quick=args.quick)
+    from remote_redis import run_redis_bench  # the redis tier vs raw redis-py (issue 3's keys)
+
+    out.update(run_redis_bench(quick=args.quick))
     print(json.dumps(out))
 
 
