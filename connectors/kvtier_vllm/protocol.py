@@ -1,0 +1,95 @@
+"""Messages between the scheduler half and the worker half (pickled by vLLM each step).
+
+Token ids travel as uint32-LE ``bytes`` (compact to pickle, and exactly what kvtier keys hash).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadSpec:
+    """Restore tokens ``[start, end)`` (whole engine blocks) into ``block_ids`` (one per block).
+
+    ``tokens`` covers the full chunks that hold them (``ceil(end / C) * C`` tokens)."""
+
+    req_id: str
+    salt: bytes
+    tokens: bytes
+    start: int
+    end: int
+    block_ids: list[int]
+    is_async: bool
+
+
+@dataclass
+class SaveSpec:
+    """Save full chunks ``[start_chunk, end_chunk)``; ``block_ids`` hold their tokens in order
+    and ``tokens`` is the prefix up to ``end_chunk * C``."""
+
+    req_id: str
+    salt: bytes
+    tokens: bytes
+    start_chunk: int
+    end_chunk: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    # Requests whose prefetch will never be used (finished, or the scheduler took no hit).
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadOutcome:
+    """What a worker restored for one request: tokens ``[start, ok_end)`` are good."""
+
+    start: int
+    end: int
+    ok_end: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+    reason: str = ""
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class StoredChunks:
+    """Chunks one worker stored: ``keys[i]`` holds tokens ``[(first + i) * C, ...)`` of
+    ``tokens`` (the whole prefix); ``parent`` is the key of chunk ``first - 1`` (or b"")."""
+
+    req_id: str
+    first_chunk: int
+    keys: list[bytes]
+    tier: str
+    tokens: bytes = b""
+    parent: bytes = b""
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler feedback of one step (aggregated over TP ranks by vLLM)."""
+
+    loads: dict[str, LoadOutcome] = field(default_factory=dict)
+    stored: list[StoredChunks] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVTierWorkerMeta):
+            return self
+        out = KVTierWorkerMeta(dict(self.loads), list(self.stored))
+        for req_id, o in other.loads.items():
+            mine = out.loads.get(req_id)
+            # A prefix is only as good as its worst shard.
+            if mine is None or o.ok_end < mine.ok_end:
+                out.loads[req_id] = o
+        out.stored.extend(other.stored)  # only rank 0 reports stored chunks
+        return out

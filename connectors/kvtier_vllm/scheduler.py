@@ -1,0 +1,325 @@
+"""Scheduler half: lookup (through the workers), load/save planning, request lifecycle.
+
+Runs in vLLM's EngineCore process, on the scheduler thread only (vLLM calls it from there).
+It owns no store: the store lives in the workers, which answer lookups over a private socket
+(``ipc.py``) and start a prefetch at the same moment. A lookup that fails or times out is a
+miss; nothing here raises into the engine.
+
+Per request it tracks: the lookup answer (cached for ``lookup_cache_s``), the planned load
+(whole engine blocks, never the last prompt token), ``saved_upto`` (tokens whose chunks are
+already stored or handed over), whether an async load is in flight (then ``request_finished``
+keeps the blocks until the worker reports ``finished_recving``) and what was restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.config import KVTierConfig
+
+from .ipc import LookupClient, socket_path
+from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadOutcome, LoadSpec, SaveSpec
+from .settings import VllmSettings, namespace_salt
+from .stats import KVTierStats, StatsCollector
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+FAST_TIERS = frozenset({"cpu", "memory", "gpu"})
+
+
+def tokens_bytes(tokens: Iterable[int]) -> bytes:
+    return np.fromiter(tokens, dtype="<u4").tobytes()
+
+
+@dataclass
+class _Match:
+    start: int          # tokens vLLM already has (block aligned)
+    usable: int         # end of the loadable run (block aligned, <= limit)
+    tiers: dict[str, int]
+    is_async: bool
+    at: float
+
+
+@dataclass
+class _Req:
+    request: Request
+    salt: bytes
+    saved_upto: int = 0
+    seen: bool = False                    # first scheduled yet
+    match: _Match | None = None
+    load_tiers: dict[str, int] = field(default_factory=dict)  # of the load last planned
+    pending: LoadSpec | None = None
+    async_inflight: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+    hit_tiers: dict[str, int] = field(default_factory=dict)
+    outcome: LoadOutcome | None = None
+
+
+class SchedulerSide:
+    def __init__(self, cfg: KVTierConfig, settings: VllmSettings, *, block_size: int,
+                 engine_id: str, dp_rank: int, world_size: int, kv_events: bool) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.block_size = block_size
+        self.chunk = cfg.chunk_tokens
+        self.kv_events = kv_events
+        self._clients = [
+            LookupClient(socket_path(engine_id, dp_rank, r, settings.socket_dir),
+                         settings.lookup_timeout_s)
+            for r in range(world_size)
+        ]
+        self._reqs: dict[str, _Req] = {}
+        self._pending: set[str] = set()  # requests with a planned load not yet sent
+        self._dropped: list[str] = []
+        self._events: list[Any] = []
+        self.stats = StatsCollector()
+
+    # --- lookup ---------------------------------------------------------------------------
+    def _state(self, request: Request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            salt = namespace_salt(self.cfg, getattr(request, "cache_salt", None))
+            st = self._reqs[request.request_id] = _Req(request, salt)
+        return st
+
+    def on_new_request(self, request: Request) -> None:
+        self._state(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if not self.settings.load:
+            return 0, False
+        bs, c = self.block_size, self.chunk
+        # vLLM must compute at least one token itself (it samples from its logits).
+        limit = (request.num_tokens - 1) // bs * bs
+        covered = min(request.num_tokens // c * c, -(-limit // c) * c)
+        if limit - num_computed_tokens < bs or covered <= num_computed_tokens:
+            return 0, False
+        now = time.monotonic()
+        m = st.match
+        if m is None or m.start != num_computed_tokens or now - m.at > self.settings.lookup_cache_s:
+            m = self._lookup(st, num_computed_tokens, limit, covered, now)
+            st.match = m
+        hit = m.usable - num_computed_tokens
+        if hit < bs:
+            return 0, False
+        return hit, m.is_async
+
+    def _lookup(self, st: _Req, start: int, limit: int, covered: int, now: float) -> _Match:
+        req = st.request
+        header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
+                  "limit": limit, "prefetch": self.settings.prefetch}
+        blob = tokens_bytes(req.all_token_ids[:covered])
+        usable, tiers = limit, dict[str, int]()
+        t0 = time.perf_counter()
+        for client in self._clients:
+            reply = client.call(header, blob)
+            if reply is None or "error" in reply:
+                usable = 0
+                break
+            # A prefix counts only if every rank holds its shard of it.
+            usable = min(usable, int(reply.get("tokens", 0)))
+            for tier, n in (reply.get("tiers") or {}).items():
+                tiers[tier] = max(tiers.get(tier, 0), int(n))
+        usable = usable // self.block_size * self.block_size
+        log.debug("kvtier: lookup of %s (%d tokens): %d usable, tiers %s, %.2f ms", req.request_id,
+                  covered, usable, tiers, 1e3 * (time.perf_counter() - t0))
+        mode = self.settings.async_load
+        is_async = mode == "always" or (mode == "auto" and not set(tiers) <= FAST_TIERS)
+        self.stats.add(lookups=1)
+        if usable > start:
+            self.stats.add(lookup_hit_tokens=usable - start)
+        return _Match(start, max(start, usable), tiers, is_async, now)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        st = self._reqs.get(request.request_id)
+        if num_external_tokens <= 0 or st is None:
+            return {}
+        kinds = {"cpu": CacheHitSource.HOST, "memory": CacheHitSource.HOST,
+                 "gpu": CacheHitSource.DEVICE, "disk": CacheHitSource.DISK}
+        out: dict[Any, int] = {}
+        left = num_external_tokens
+        for tier, chunks in st.load_tiers.items():
+            n = min(left, chunks * self.chunk)
+            if n > 0:
+                src = kinds.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                out[src] = out.get(src, 0) + n
+                left -= n
+        if left > 0:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + left
+        return out
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        m = st.match
+        if num_external_tokens <= 0 or m is None:
+            if m is not None and m.usable > m.start and not st.async_inflight:
+                self._dropped.append(request.request_id)  # prefetched for nothing
+            st.match = None
+            return
+        bs = self.block_size
+        start, end = m.start, m.start + num_external_tokens
+        ids = list(blocks.get_block_ids()[0][start // bs:end // bs])
+        if len(ids) != (end - start) // bs or start % bs or end % bs:
+            log.error("kvtier: block table of %s does not cover [%d, %d); not loading",
+                      request.request_id, start, end)
+            return
+        covered = -(-end // self.chunk) * self.chunk
+        self._pending.add(request.request_id)
+        st.pending = LoadSpec(request.request_id, st.salt, tokens_bytes(request.all_token_ids[:covered]),
+                              start, end, ids, m.is_async)
+        st.hit_tokens += num_external_tokens
+        st.load_tiers = dict(m.tiers)
+        for tier, n in m.tiers.items():
+            st.hit_tiers[tier] = st.hit_tiers.get(tier, 0) + n
+            self.stats.add_by("hit_tokens_by_tier", tier, n * self.chunk)
+        st.match = None
+
+    # --- per-step metadata ------------------------------------------------------------------
+    def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
+        meta = KVTierMetadata()
+        for req_id in self._pending:
+            st = self._reqs.get(req_id)
+            if st is not None and st.pending is not None:
+                meta.loads.append(st.pending)
+                st.async_inflight |= st.pending.is_async
+                st.pending = None
+        self._pending.clear()
+        block_state = getattr(so, "kv_connector_block_state", None)
+        self._track_blocks(so)
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            gone = self._reqs.get(req_id)
+            if gone is not None:
+                gone.block_ids, gone.match, gone.seen = [], None, False
+        if self.settings.save:
+            for req_id, n in so.num_scheduled_tokens.items():
+                cur = self._reqs.get(req_id)
+                if cur is not None:
+                    spec = self._plan_save(cur, n, block_state)
+                    if spec is not None:
+                        meta.saves.append(spec)
+        meta.dropped, self._dropped = self._dropped, []
+        return meta
+
+    def _track_blocks(self, so: SchedulerOutput) -> None:
+        # Block tables as the workers see them; used when vLLM offers no KVConnectorBlockState.
+        for new in so.scheduled_new_reqs:
+            st: _Req | None = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                if not st.seen:
+                    st.seen = True
+                    st.saved_upto = max(st.saved_upto, new.num_computed_tokens // self.chunk * self.chunk)
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+
+    def _plan_save(self, st: _Req, n_sched: int, block_state: Any) -> SaveSpec | None:
+        req, c = st.request, self.chunk
+        done = min(req.num_computed_tokens + n_sched, req.num_tokens)
+        if not self.settings.save_decode:
+            done = min(done, req.num_prompt_tokens)
+        start_chunk, end_chunk = st.saved_upto // c, done // c
+        if end_chunk <= start_chunk:
+            return None
+        ids: list[int] | None = None
+        if block_state is not None:
+            got = block_state.get_block_ids(req.request_id)
+            ids = list(got[0]) if got else None
+        if ids is None:
+            ids = st.block_ids
+        bs = self.block_size
+        lo, hi = start_chunk * c // bs, end_chunk * c // bs
+        if len(ids) < hi:
+            log.debug("kvtier: %s has %d blocks, save needs %d", req.request_id, len(ids), hi)
+            return None
+        st.saved_upto = end_chunk * c
+        return SaveSpec(req.request_id, st.salt, tokens_bytes(req.all_token_ids[:end_chunk * c]),
+                        start_chunk, end_chunk, ids[lo:hi])
+
+    # --- feedback and lifecycle -----------------------------------------------------------------
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        for req_id in out.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.async_inflight = False
+        wm = getattr(out, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KVTierWorkerMeta):
+            return
+        for req_id, o in wm.loads.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            st.outcome = o
+            if o.ok_end < o.end:
+                # Re-save what vLLM now recomputes (the bad chunk was deleted from the store).
+                st.saved_upto = min(st.saved_upto, o.ok_end // self.chunk * self.chunk)
+                st.hit_tokens -= o.end - o.ok_end
+        if self.kv_events:
+            self._events.extend(_stored_events(wm, self.chunk))
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        self._dropped.append(request.request_id)
+        params = {"kvtier": {
+            "hit_tokens": st.hit_tokens,
+            "hit_chunks_by_tier": dict(st.hit_tiers),
+            "failed_tokens": (st.outcome.end - st.outcome.ok_end) if st.outcome else 0,
+            "failure_reason": st.outcome.reason if st.outcome and st.outcome.ok_end < st.outcome.end else "",
+            "saved_tokens": st.saved_upto,
+        }}
+        # An async load still writing into these blocks: vLLM frees them on finished_recving.
+        return st.async_inflight, params
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> KVTierStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        for client in self._clients:
+            client.close()
+
+
+def _stored_events(wm: KVTierWorkerMeta, chunk: int) -> list[Any]:
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored
+
+    events: list[Any] = []
+    for s in wm.stored:
+        toks = np.frombuffer(s.tokens, dtype="<u4")
+        for i, key in enumerate(s.keys):
+            idx = s.first_chunk + i
+            parent = s.keys[i - 1] if i else (s.parent or None)
+            events.append(BlockStored(
+                block_hashes=[key], parent_block_hash=parent,
+                token_ids=toks[idx * chunk:(idx + 1) * chunk].tolist(), block_size=chunk,
+                lora_id=None, medium=MEDIUM_CPU if s.tier in FAST_TIERS else MEDIUM_STORAGE,
+                lora_name=None))
+    return events

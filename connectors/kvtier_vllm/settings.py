@@ -1,0 +1,85 @@
+"""Connector configuration: ``kv_connector_extra_config`` -> (KVTierConfig, VllmSettings).
+
+The extra config is a plain dict. Its ``vllm`` section (optional) holds the connector's own
+settings below; every other key is kvtier configuration handed to
+``KVTierConfig.load(overrides=...)`` (so ``KVTIER_*`` environment variables apply underneath,
+and ``config_file`` names an optional YAML file). Every invalid value raises
+:class:`kvtier.errors.ConfigError` at engine start, naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config import KVTierConfig, from_dict
+from kvtier.errors import ConfigError
+from kvtier.keys import tenant_salt
+
+GiB = 1 << 30
+
+
+def _rng(lo: float | None, hi: float | None, *, size: bool = False) -> dict[str, Any]:
+    # Same metadata shape kvtier.config's validator reads.
+    return {"range": (lo, hi), "size": size}
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The ``vllm`` section of ``kv_connector_extra_config``."""
+
+    # Namespace identity; default: vLLM's model name / revision. Set model_id when replicas load
+    # the same weights from different paths, or they will not share a namespace.
+    model_id: str = ""
+    model_revision: str = ""
+    load: bool = True                   # restore hits into the engine
+    save: bool = True                   # save newly computed full chunks
+    save_decode: bool = True            # also save chunks made of generated tokens
+    # "auto": async (load_async=True) only when a hit sits below the fast (in-memory) tiers.
+    async_load: str = field(default="auto", metadata={"choices": ("auto", "always", "never")})
+    prefetch: bool = True               # start loading at lookup time
+    prefetch_max_bytes: int = field(default=1 * GiB, metadata=_rng(0, None, size=True))
+    prefetch_workers: int = field(default=2, metadata=_rng(1, 64))
+    lookup_timeout_s: float = field(default=0.5, metadata=_rng(0.001, 60))
+    lookup_cache_s: float = field(default=1.0, metadata=_rng(0, 3600))
+    save_queue_depth: int = field(default=64, metadata=_rng(1, 100_000))
+    socket_dir: str = ""
+    metrics_port: int = field(default=0, metadata=_rng(0, 65535))  # 0: no HTTP /metrics
+
+
+def load_settings(extra: Mapping[str, Any] | None) -> tuple[KVTierConfig, VllmSettings]:
+    """Split and validate ``kv_connector_extra_config``; raises ConfigError."""
+    data = dict(extra or {})
+    section = data.pop("vllm", {}) or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"vllm: expected a mapping of connector settings, got {section!r}")
+    path = data.pop("config_file", None)
+    settings = from_dict(VllmSettings, section, prefix="vllm.")
+    cfg = KVTierConfig.load(path, overrides=data)
+    try:
+        bytes.fromhex(cfg.salt_hex)
+    except ValueError:
+        raise ConfigError(f"salt_hex: {cfg.salt_hex!r} is not a hex string") from None
+    return cfg, settings
+
+
+def check_block_size(cfg: KVTierConfig, block_size: int) -> None:
+    if cfg.chunk_tokens % block_size:
+        raise ConfigError(
+            f"chunk_tokens: {cfg.chunk_tokens} is not a multiple of vLLM's block size "
+            f"{block_size}; use e.g. {max(1, cfg.chunk_tokens // block_size) * block_size}")
+
+
+def namespace_salt(cfg: KVTierConfig, cache_salt: str | None) -> bytes:
+    """Per-request namespace salt (see docs/vllm.md, "Tenants").
+
+    tenant = the request's ``cache_salt`` or ``cfg.tenant``. With ``salt_hex`` configured it is a
+    server secret: salt = HMAC-SHA256(secret, tenant) (or the secret itself for no tenant);
+    without it the salt is the tenant's UTF-8 bytes (empty: the shared namespace).
+    """
+    tenant = cache_salt or cfg.tenant
+    secret = bytes.fromhex(cfg.salt_hex) if cfg.salt_hex else b""
+    if not tenant:
+        return secret
+    return tenant_salt(secret, tenant) if secret else tenant.encode()

@@ -1,0 +1,398 @@
+"""Worker half: owns the store, answers lookups, restores and captures paged KV blocks.
+
+Threads
+    forward thread (vLLM's): start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save,
+        get_finished, get_block_ids_with_load_errors, build_worker_meta.
+    loader thread (``LayerPipeline``): sync restores, layer by layer, during the forward.
+    async thread: restores of ``load_async`` requests while other requests run.
+    prefetch pool: store loads started by lookups. saver thread: encode + store captured chunks.
+    lookup server threads: ``cache.lookup`` for the scheduler.
+Failure
+    A load that falls short (miss, corrupt chunk, dead tier) restores the good leading blocks
+    and reports the rest through ``get_block_ids_with_load_errors`` (vLLM recomputes them); saves
+    of a request whose sync load failed in the same step are dropped (their KV was computed
+    over bad blocks). Nothing raises into the engine from the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.cache import PrefixCache
+from kvtier.config import KVTierConfig
+from kvtier.keys import KVLayout, NamespaceSpec
+from kvtier.metrics import Metrics
+from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher, load_range
+from kvtier.store import TieredStore
+
+from .blocks import PagedLayout, detect_layout, dtype_name, kv_views, payload_tensor
+from .copier import Copier, RestoreItem, make_copier
+from .ipc import LookupServer, socket_path
+from .protocol import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadOutcome,
+    LoadSpec,
+    SaveSpec,
+    StoredChunks,
+)
+from .saver import SaveJob, Saver
+from .settings import VllmSettings
+from .stats import ConnectorMetrics, KVTierStats, StatsCollector
+from .threads import background_pinner, pin_existing
+
+log = logging.getLogger(__name__)
+_LAYER_NO = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the worker needs to know about the engine (gathered by connector.py)."""
+
+    model_id: str
+    model_revision: str
+    block_size: int
+    cache_dtype: str
+    rank: int
+    world_size: int
+    dp_rank: int
+    engine_id: str
+    backend: str
+    isa: str | None
+    kv_events: bool
+
+
+class WorkerSide:
+    def __init__(self, cfg: KVTierConfig, settings: VllmSettings, info: EngineInfo) -> None:
+        self.cfg, self.settings, self.info = cfg, settings, info
+        self.chunk = cfg.chunk_tokens
+        self.stats = StatsCollector()
+        self.enabled = False
+        self._caches: dict[bytes, PrefixCache] = {}
+        self._lock = threading.Lock()
+        self._errors: set[int] = set()
+        self._outcomes: dict[str, LoadOutcome] = {}
+        self._stored: list[StoredChunks] = []
+        self._run: LayerRun | None = None
+        self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
+        self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
+        self._saves: list[SaveJob] = []
+
+    # --- setup ----------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=lambda n: (int(m.group(1)) if (m := _LAYER_NO.search(n)) else 1 << 30))
+        first = kv_caches[names[0]]
+        info = self.info
+        shape = tuple(first.shape)
+        heads, head_dim = _heads_dim(shape, info.block_size)
+        self.layout: PagedLayout = detect_layout(first, backend=info.backend, block_size=info.block_size,
+                                                 num_kv_heads=heads, head_dim=head_dim, isa=info.isa)
+        self.names = names
+        self.index = {n: i for i, n in enumerate(names)}
+        self.views = [kv_views(kv_caches[n], self.layout) for n in names]
+        self.torch_dtype = first.dtype
+        revision = info.model_revision
+        if not self.layout.canonical:
+            revision += f"+kvlayout={info.backend}:{info.isa}:{tuple(first.stride())}"
+        if info.cache_dtype not in ("auto", ""):
+            revision += f"+kvcache={info.cache_dtype}"
+        self.base_spec = NamespaceSpec(
+            model_id=info.model_id, layout=KVLayout(len(names), heads, head_dim, self.chunk),
+            kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=info.rank,
+            world_size=info.world_size, hash_name=self.cfg.hash)  # type: ignore[arg-type]
+        self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
+        self.metrics = Metrics()
+        self.cmetrics = ConnectorMetrics(self.metrics)
+        self.store = TieredStore.from_config(self.cfg, self.metrics)
+        self.copier: Copier = make_copier(first.device)
+        # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
+        # inherit that mask and steal cycles from the forward pass. Run them on the others.
+        pin = background_pinner()
+        pin_existing("kvtier", pin)  # the store's writer thread, already started
+        self.prefetcher = Prefetcher(self.settings.prefetch_workers, self.settings.prefetch_max_bytes,
+                                     thread_init=pin)
+        self.pipeline = LayerPipeline(thread_init=pin)
+        self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load", initializer=pin)
+        self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
+                           self.stats, self.cmetrics,
+                           self._on_stored if info.kv_events and info.rank == 0 else None)
+        path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
+        self.server = LookupServer(path, self._handle, thread_init=pin)
+        if self.settings.metrics_port and info.rank == 0:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        self.enabled = True
+        log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
+                 len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
+
+    def cache_for(self, salt: bytes) -> PrefixCache:
+        with self._lock:
+            cache = self._caches.get(salt)
+            if cache is None:
+                spec = NamespaceSpec(**{**self.base_spec.__dict__, "salt": salt})
+                tenant = hashlib.sha256(salt).hexdigest()[:12] if salt else ""
+                cache = PrefixCache(self.store, spec, codec=self.cfg.codec, shuffle=self.cfg.shuffle,
+                                    tenant=tenant)
+                self._caches[salt] = cache
+            return cache
+
+    # --- lookups (server threads) -------------------------------------------------------------------
+    def _handle(self, header: dict[str, Any], blob: bytes) -> dict[str, Any]:
+        if header.get("op") != "lookup":
+            raise ValueError(f"unknown op {header.get('op')!r}")
+        tokens = np.frombuffer(blob, dtype="<u4")
+        salt = bytes.fromhex(header["salt"])
+        start, limit = int(header["start"]), int(header["limit"])
+        cache = self.cache_for(salt)
+        hit = cache.lookup(tokens, full_chunks_only=True)
+        usable = min(hit.tokens, limit) // self.info.block_size * self.info.block_size
+        if header.get("prefetch") and usable - start >= self.info.block_size:
+            c0, c1 = start // self.chunk, -(-usable // self.chunk)
+            self.prefetcher.submit(str(header["req"]), (salt, c0, c1),
+                                   lambda: load_range(cache, tokens[:c1 * self.chunk], c0, c1))
+        return {"tokens": usable, "tiers": hit.per_tier, "reason": hit.reason}
+
+    # --- loads ------------------------------------------------------------------------------------------
+    def _fetch(self, spec: LoadSpec) -> LoadedRange:
+        """The verified chunks for ``spec``: from the prefetch if it covers them, else loaded now."""
+        c0, c1 = spec.start // self.chunk, -(-spec.end // self.chunk)
+        job = self.prefetcher.pop(spec.req_id)
+        cache = self.cache_for(spec.salt)
+        if job is not None and job.signature[:2] == (spec.salt, c0) \
+                and int(job.signature[2]) >= c1:  # type: ignore[call-overload]
+            if not job.done():
+                t0 = time.perf_counter()
+                res = job.result()
+                waited = time.perf_counter() - t0
+                self.stats.add(prefetch_waits=1, prefetch_wait_seconds=waited)
+                self.cmetrics.prefetch_wait_seconds.observe(waited)
+            else:
+                res = job.result()
+            if res is not None:
+                return res
+        tokens = np.frombuffer(spec.tokens, dtype="<u4")
+        return load_range(cache, tokens[:c1 * self.chunk], c0, c1)
+
+    def _plan(self, spec: LoadSpec, res: LoadedRange) -> tuple[list[RestoreItem], LoadOutcome]:
+        c, bs = self.chunk, self.info.block_size
+        ok_end = min(spec.end, (res.start_chunk + len(res.payloads)) * c)
+        ok_end = max(spec.start, ok_end)
+        items = []
+        for j, payload in enumerate(res.payloads):
+            lo = (res.start_chunk + j) * c
+            a, b = max(lo, spec.start), min(lo + c, ok_end)
+            if a < b:
+                p = payload_tensor(payload, self.chunk_shape, self.torch_dtype)
+                ids = spec.block_ids[(a - spec.start) // bs:(b - spec.start) // bs]
+                items.append(RestoreItem(p, a - lo, b - a, ids))
+        outcome = LoadOutcome(spec.start, spec.end, ok_end, dict(res.per_tier),
+                              res.reason if ok_end < spec.end else "", res.seconds, res.nbytes)
+        return items, outcome
+
+    def start_load(self, meta: KVTierMetadata) -> None:
+        if not self.enabled:
+            return
+        self.prefetcher.discard(meta.dropped)
+        for spec in meta.loads:
+            if spec.is_async:
+                self._async[spec.req_id] = self._async_pool.submit(self._async_load, spec)
+        sync = [s for s in meta.loads if not s.is_async]
+        if not sync:
+            return
+        if self._run is not None:  # never expected: wait_for_save ends every step
+            self._finish_sync_run()
+        plans: list[list[RestoreItem]] = []
+        self._run_specs = []
+
+        def before() -> None:
+            for spec in sync:
+                items, outcome = self._plan(spec, self._fetch(spec))
+                plans.append(items)
+                self._run_specs.append((spec, outcome))
+            self._t_fetched = time.perf_counter()
+
+        def step(layer: int) -> None:
+            for items in plans:
+                self.copier.restore_layer(self.views[layer], layer, items)
+            self._t_restored = time.perf_counter()
+
+        self._t_load = self._t_fetched = self._t_restored = time.perf_counter()
+        self._waited = 0.0
+        self.copier.begin_restore(len(self.names))
+        self._run = self.pipeline.start(len(self.names), step, before)
+        self._sync_specs = sync
+
+    def _async_load(self, spec: LoadSpec) -> tuple[LoadOutcome, list[int]]:
+        t0 = time.perf_counter()
+        try:
+            items, outcome = self._plan(spec, self._fetch(spec))
+            self.copier.restore_blocking(self.views, items)
+        except (RuntimeError, ValueError, OSError) as exc:
+            log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc)
+            outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+        outcome.seconds = time.perf_counter() - t0
+        return outcome, self._failed_blocks(spec, outcome)
+
+    def _failed_blocks(self, spec: LoadSpec, outcome: LoadOutcome) -> list[int]:
+        return list(spec.block_ids[(outcome.ok_end - spec.start) // self.info.block_size:])
+
+    def wait_layer(self, layer_name: str) -> None:
+        run = self._run
+        layer = self.index.get(layer_name)
+        if run is None or layer is None:
+            return
+        t0 = time.perf_counter()
+        run.wait(layer)
+        self._waited += time.perf_counter() - t0
+        self.copier.layer_ready(layer)
+
+    def _finish_sync_run(self) -> set[str]:
+        """Join this step's restore; returns the requests whose load fell short."""
+        run, self._run = self._run, None
+        if run is None:
+            return set()
+        run.join()
+        self.copier.finish_restore()
+        seconds = time.perf_counter() - self._t_load
+        log.debug("kvtier: sync restore of %d request(s): fetched at %.1f ms, restored at %.1f ms, "
+                  "forward waited %.1f ms", len(self._sync_specs), 1e3 * (self._t_fetched - self._t_load),
+                  1e3 * (self._t_restored - self._t_load), 1e3 * self._waited)
+        seconds = self._t_restored - self._t_load
+        short: set[str] = set()
+        done = {spec.req_id: outcome for spec, outcome in self._run_specs}
+        for spec in self._sync_specs:
+            outcome = done.get(spec.req_id) or LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+            if not run.ok:
+                outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+            outcome.seconds = seconds
+            self._record(spec.req_id, outcome, self._failed_blocks(spec, outcome))
+            if outcome.ok_end < spec.end:
+                short.add(spec.req_id)
+        return short
+
+    def _record(self, req_id: str, outcome: LoadOutcome, failed: Sequence[int]) -> None:
+        self._errors.update(failed)
+        self._outcomes[req_id] = outcome
+        good = outcome.ok_end - outcome.start
+        self.stats.add(load_requests=1, load_tokens=good, load_bytes=outcome.nbytes,
+                       load_seconds=outcome.seconds)
+        self.cmetrics.load_seconds.observe(outcome.seconds)
+        for tier, n in outcome.per_tier.items():
+            self.cmetrics.load_tokens.labels(tier).inc(n * self.chunk)
+        if failed:
+            reason = outcome.reason or "error"
+            self.stats.add(load_failed_tokens=outcome.end - outcome.ok_end)
+            self.stats.add_by("failures_by_reason", reason)
+            self.cmetrics.load_failures.labels(reason).inc()
+            log.warning("kvtier: %s restored %d of %d tokens (%s); vLLM recomputes %d blocks",
+                        req_id, good, outcome.end - outcome.start, reason, len(failed))
+
+    # --- saves ------------------------------------------------------------------------------------------
+    def capture_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
+        if not self.enabled or not meta.saves:
+            return
+        layer = self.index.get(layer_name)
+        if layer is None:
+            return
+        if not self._saves:
+            self._saves = [self._new_job(s) for s in meta.saves]
+        for job in self._saves:
+            self._capture(job, layer)
+
+    def _new_job(self, spec: SaveSpec) -> SaveJob:
+        n = spec.end_chunk - spec.start_chunk
+        staging = self.copier.staging((n, *self.chunk_shape), self.torch_dtype)
+        return SaveJob(spec, staging, len(self.names))
+
+    def _capture(self, job: SaveJob, layer: int) -> None:
+        per = self.chunk // self.info.block_size
+        for j in range(job.spec.end_chunk - job.spec.start_chunk):
+            ids = job.spec.block_ids[j * per:(j + 1) * per]
+            self.copier.capture_layer(self.views[layer], ids, job.staging[j, layer])
+        job.captured[layer] = True
+
+    def end_step(self, meta: KVTierMetadata | None) -> None:
+        """wait_for_save: finish this step's restore, then hand the captured chunks over."""
+        if not self.enabled:
+            return
+        short = self._finish_sync_run()
+        jobs, self._saves = self._saves, []
+        if meta is not None and meta.saves and not jobs:
+            jobs = [self._new_job(s) for s in meta.saves]  # no save_kv_layer calls this step
+        for job in jobs:
+            for layer, ok in enumerate(job.captured):
+                if not ok:
+                    self._capture(job, layer)
+        fence = self.copier.end_capture()
+        for job in jobs:
+            if job.spec.req_id in short:
+                continue  # computed over blocks that failed to load: never store it
+            job.fence = fence
+            self.saver.submit(job)
+
+    def _on_stored(self, stored: StoredChunks) -> None:
+        # Saver thread: keep the chunks for the next step's worker metadata (KV events).
+        stored.tier = self.store.tiers[0].name
+        with self._lock:
+            self._stored.append(stored)
+
+    # --- step results -------------------------------------------------------------------------------------
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Async loads that completed (vLLM's ``finished_recving``); their failed blocks are
+        queued for ``take_errors`` in the same step, as vLLM requires."""
+        if not self.enabled:
+            return set()
+        self.prefetcher.discard(list(finished_req_ids))
+        done = {r for r, f in self._async.items() if f.done()}
+        for req_id in done:
+            outcome, failed = self._async.pop(req_id).result()
+            self._record(req_id, outcome, failed)
+        return done
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def worker_meta(self) -> KVTierWorkerMeta | None:
+        with self._lock:
+            stored, self._stored = self._stored, []
+        loads, self._outcomes = self._outcomes, {}
+        if not loads and not stored:
+            return None
+        return KVTierWorkerMeta(loads, stored)
+
+    def take_stats(self) -> KVTierStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        self.server.close()
+        self.saver.close(timeout_s=30)
+        self.pipeline.close()
+        self._async_pool.shutdown(wait=True)
+        self.prefetcher.close()
+        self.store.flush(timeout_s=30)
+        self.store.close()
+
+
+def _heads_dim(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
+    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]."""
+    if len(shape) == 5 and shape[0] == 2:
+        return shape[3], shape[4]
+    if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+        return shape[1], shape[3] // 2
+    raise ValueError(f"cannot read kv heads / head dim from KV tensor shape {shape}")

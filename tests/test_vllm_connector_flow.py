@@ -1,0 +1,194 @@
+"""Both connector halves wired together without an engine: the real SchedulerSide talks to the
+real WorkerSide over its lookup socket, the worker owns a real store and paged CPU tensors in
+vLLM 0.32's CPU layout. vLLM's per-step objects (requests, block lists, scheduler output) are
+small stand-ins carrying the fields the connector reads. Every restore is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+L, B, H, N, D, C = 2, 64, 2, 16, 8, 32  # layers, blocks, kv heads, block size, head dim, chunk
+
+
+def _halves(tmp_path: Path, **vllm: Any) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    from kvtier_vllm.scheduler import SchedulerSide
+    from kvtier_vllm.settings import load_settings
+    from kvtier_vllm.worker import EngineInfo, WorkerSide
+
+    cfg, settings = load_settings({"chunk_tokens": C, "cpu": {"capacity_bytes": "64MiB", "slot_bytes": "64KiB"},
+                                   "vllm": {"socket_dir": str(tmp_path / "s"), **vllm}})
+    info = EngineInfo(model_id="flow-test", model_revision="", block_size=N, cache_dtype="auto",
+                      rank=0, world_size=1, dp_rank=0, engine_id=f"flow-{time.monotonic_ns()}",
+                      backend="CPU_ATTN", isa="vec", kv_events=True)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(B, H, N, 2 * D) for i in range(L)}
+    worker = WorkerSide(cfg, settings, info)
+    worker.register(caches)
+    sched = SchedulerSide(cfg, settings, block_size=N, engine_id=info.engine_id, dp_rank=0,
+                          world_size=1, kv_events=True)
+    return sched, worker, caches
+
+
+def _req(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens),
+                           num_prompt_tokens=len(tokens), num_computed_tokens=0, cache_salt=salt)
+
+
+def _output(new: list[tuple[Any, list[int], int]], sched: dict[str, int]) -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c in new],
+        scheduled_cached_reqs=cached, num_scheduled_tokens=sched, preempted_req_ids=set(),
+        kv_connector_block_state=None)
+
+
+def _run_step(sched: Any, worker: Any, so: Any, caches: dict[str, torch.Tensor], write: Any = None) -> Any:
+    """One engine step: metadata, loads, a 'forward' that writes new KV, saves, results."""
+    meta = sched.build_connector_meta(so)
+    worker.start_load(meta)
+    for name in worker.names:
+        worker.wait_layer(name)
+        if write is not None:
+            write(name, caches[name])
+        worker.capture_layer(meta, name)
+    worker.end_step(meta)
+    out = SimpleNamespace(finished_recving=worker.finished(set()), kv_connector_worker_meta=worker.worker_meta())
+    errors = worker.take_errors()
+    sched.update_connector_output(out)
+    return meta, errors, out
+
+
+def _fill(blocks: list[int], seed: int) -> Any:
+    def write(name: str, t: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(seed + int(name.split(".")[2]))
+        t[blocks] = torch.randn(len(blocks), H, N, 2 * D, generator=g)
+    return write
+
+
+def _wait_saved(worker: Any, n: int) -> None:
+    end = time.monotonic() + 10
+    while worker.store.tiers[0].usage().entries < n and time.monotonic() < end:
+        time.sleep(0.01)
+    assert worker.store.tiers[0].usage().entries >= n
+
+
+@pytest.mark.parametrize("async_load", ["never", "always"])
+def test_saved_prefix_is_restored_exactly_into_other_blocks(tmp_path: Path, async_load: str) -> None:
+    sched, worker, caches = _halves(tmp_path, async_load=async_load)
+    try:
+        tokens = list(range(7, 7 + 5 * N + 3))  # 83 tokens: 2 full chunks + a tail
+        r1 = _req("r1", tokens)
+        assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+        sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+        blocks1 = [10, 3, 40, 22, 5, 6]
+        meta, _, _ = _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}),
+                               caches, write=_fill(blocks1, 100))
+        assert [(s.start_chunk, s.end_chunk) for s in meta.saves] == [(0, 2)]
+        _wait_saved(worker, 2)
+        time.sleep(0.05)
+        _run_step(sched, worker, _output([], {}), caches)  # the next step carries the feedback
+        events = sched.take_events()  # BlockStored per chunk, for prefix-aware routers
+        assert [e.block_size for e in events] == [C, C] and events[1].parent_block_hash == events[0].block_hashes[0]
+
+        r2 = _req("r2", tokens[: 4 * N] + [1, 2, 3])  # same 2 chunks, different tail
+        hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
+        assert hit == 2 * C and is_async == (async_load == "always")
+        blocks2 = [50, 51, 12, 13, 14]
+        sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
+        meta, errors, out = _run_step(sched, worker, _output([], {}), caches)
+        assert len(meta.loads) == 1 and not errors
+        if is_async:
+            end = time.monotonic() + 10
+            done = set(out.finished_recving)
+            while "r2" not in done and time.monotonic() < end:
+                time.sleep(0.01)
+                done |= worker.finished(set())
+            assert "r2" in done and not worker.take_errors()
+        for name, t in caches.items():
+            assert torch.equal(t[blocks2[:4]], t[blocks1[:4]]), name
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_lookup_never_claims_the_last_token_or_partial_chunks(tmp_path: Path) -> None:
+    sched, worker, caches = _halves(tmp_path)
+    try:
+        tokens = list(range(100, 100 + 2 * C))  # exactly 2 chunks
+        r1 = _req("r1", tokens)
+        sched.get_num_new_matched_tokens(r1, 0)
+        _run_step(sched, worker, _output([(r1, [1, 2, 3, 4], 0)], {"r1": len(tokens)}), caches,
+                  write=_fill([1, 2, 3, 4], 1))
+        _wait_saved(worker, 2)
+        same = _req("r2", tokens)
+        # The whole prompt is cached, but vLLM must compute its last token: one block less.
+        assert sched.get_num_new_matched_tokens(same, 0)[0] == 2 * C - N
+        assert sched.get_num_new_matched_tokens(same, 3 * N)[0] == 0  # nothing beyond local
+        assert sched.get_num_new_matched_tokens(_req("r3", tokens, salt="other"), 0) == (0, False)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_failed_chunk_reports_exact_blocks_and_is_saved_again(tmp_path: Path) -> None:
+    from kvtier.store import TieredStore
+    from tests.fakes import FaultyTier
+
+    sched, worker, caches = _halves(tmp_path)
+    faulty = FaultyTier(64 << 20, name="cpu")
+    worker.store = TieredStore([faulty], metrics=worker.metrics)  # before any cache is bound
+    try:
+        tokens = list(range(3, 3 + 3 * C + 1))
+        r1 = _req("r1", tokens)
+        sched.get_num_new_matched_tokens(r1, 0)
+        blocks1 = list(range(20, 27))
+        _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}), caches,
+                  write=_fill(blocks1, 7))
+        _wait_saved(worker, 3)
+        keys = worker.cache_for(b"").keys(tokens, full_chunks_only=True)
+        faulty.corrupt(keys[1], times=1)
+        r2 = _req("r2", tokens[: 3 * C] + list(range(500, 500 + C + 8)))  # a 4th chunk of its own
+        hit, _ = sched.get_num_new_matched_tokens(r2, 0)
+        assert hit == 3 * C
+        blocks2 = list(range(40, 49))
+        sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
+        r2.num_computed_tokens = hit  # as vLLM sets it when it schedules the request
+        so = _output([(r2, blocks2, hit)], {"r2": C + 8})
+        meta, errors, out = _run_step(sched, worker, so, caches, write=_fill(blocks2[6:], 9))
+        # Chunk 0 restored, chunk 1 corrupt: its blocks and everything after are reported.
+        assert errors == set(blocks2[2:6])
+        for t in caches.values():
+            assert torch.equal(t[blocks2[:2]], t[blocks1[:2]])
+        assert [(s.req_id, s.start_chunk, s.end_chunk) for s in meta.saves] == [("r2", 3, 4)]
+        r2_keys = worker.cache_for(b"").keys(r2.all_token_ids, full_chunks_only=True)
+        time.sleep(0.2)
+        # The chunk computed over the bad blocks was never stored; the bad chunk was dropped.
+        assert faulty.contains([r2_keys[3]]) == 0 and faulty.contains([keys[1]]) == 0
+        # vLLM recomputes from token C (recompute policy); the connector saves chunks 1..3 again.
+        r2.num_computed_tokens = C
+        cached = SimpleNamespace(req_ids=["r2"], resumed_req_ids=set(), new_block_ids=[None])
+        so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                             num_scheduled_tokens={"r2": 4 * C + 8 - C}, preempted_req_ids=set(),
+                             kv_connector_block_state=None)
+        meta, errors, _ = _run_step(sched, worker, so, caches, write=_fill(blocks2[2:], 11))
+        assert [(s.start_chunk, s.end_chunk) for s in meta.saves] == [(1, 4)] and not errors
+        _wait_saved(worker, 4)  # chunks 0-2 are shared with r1; 3 is its own
+        assert faulty.contains(r2_keys) == 4
+        params = sched.request_finished(r2)[1]["kvtier"]
+        assert params["failure_reason"] == "corrupt" and params["failed_tokens"] == 2 * C
+    finally:
+        worker.shutdown()
+        sched.shutdown()
