@@ -54,6 +54,17 @@ class LoadedPrefix:
     reason: str = ABSENT
 
 
+@dataclass(frozen=True)
+class VerifiedRun:
+    """The leading run of verified chunk payloads of a key range, and why it stopped."""
+
+    payloads: list[Buf]
+    shapes: list[Shape]
+    per_tier: dict[str, int]
+    reason: str
+    nbytes: int
+
+
 class PrefixCache:
     def __init__(self, store: TieredStore, spec: NamespaceSpec, *, codec: str | Codec = "raw",
                  shuffle: bool = False, tenant: str = "") -> None:
@@ -99,10 +110,19 @@ class PrefixCache:
         if max_tokens is not None:
             n = sum(1 for _, end in spans if end <= max_tokens)
             keys, spans = keys[:n], spans[:n]
+        run = self.load_verified(keys, spans)
+        hit_tokens = spans[len(run.payloads) - 1][1] if run.payloads else 0
+        return LoadedPrefix(hit_tokens, run.payloads, run.shapes, run.per_tier, run.reason)
+
+    def load_verified(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]],
+                      first_index: int = 0) -> VerifiedRun:
+        """Load ``keys`` (chunks ``first_index``.. of one prefix, token ``spans`` each) and verify
+        every chunk; the first bad one is deleted from every tier (so it is recomputed and saved
+        again), counted, and ends the run. Never raises for store trouble."""
         res = self.store.load(keys)
         payloads: list[Buf] = []
         shapes: list[Shape] = []
-        reason = res.reason
+        reason, nbytes = res.reason, 0
         for i, data in enumerate(res.chunks):
             start, end = spans[i]
             shape = self.spec.layout.chunk_shape(end - start)
@@ -110,19 +130,19 @@ class PrefixCache:
                 chunk = decode_chunk(data, namespace=self.namespace, key=keys[i],
                                      dtype=self.spec.kv_dtype, shape=shape)
             except ChunkError as exc:
-                log.warning("refusing chunk %d (%s): %s", i, keys[i].hex()[:16], exc)
+                log.warning("refusing chunk %d (%s): %s", first_index + i, keys[i].hex()[:16], exc)
                 self.metrics.chunk_errors.labels(exc.reason).inc()
                 self.store.delete(keys[i:i + 1])
                 reason = exc.reason
                 break
             payloads.append(chunk.payload)
             shapes.append(shape)
-        hit_tokens = spans[len(payloads) - 1][1] if payloads else 0
+            nbytes += len(data)
         per_tier: dict[str, int] = {}
         for name in res.sources[: len(payloads)]:
             per_tier[name] = per_tier.get(name, 0) + 1
-        return LoadedPrefix(hit_tokens, payloads, shapes, per_tier,
-                            reason if len(payloads) < len(keys) else ABSENT)
+        return VerifiedRun(payloads, shapes, per_tier,
+                           reason if len(payloads) < len(keys) else ABSENT, nbytes)
 
     def save(self, tokens: Tokens, payload_for: Callable[[int, int], Buf], *,
              start_chunk: int = 0, full_chunks_only: bool = False) -> int:

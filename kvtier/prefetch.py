@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.cache import PrefixCache
-from kvtier.chunk import decode_chunk
 from kvtier.codec import Buf
-from kvtier.errors import ChunkError
 from kvtier.tiers.base import ABSENT
 
 log = logging.getLogger(__name__)
@@ -74,29 +72,9 @@ def load_range(cache: PrefixCache, tokens: Sequence[int] | np.ndarray, start_chu
     if wanted == 0:
         return LoadedRange(start_chunk, 0)
     keys = cache.keys(tokens[: end_chunk * c], full_chunks_only=True)[start_chunk:end_chunk]
-    res = cache.store.load(keys)
-    shape = cache.spec.layout.chunk_shape(c)
-    payloads: list[Buf] = []
-    per_tier: dict[str, int] = {}
-    nbytes = 0
-    reason = res.reason
-    for i, data in enumerate(res.chunks):
-        try:
-            chunk = decode_chunk(data, namespace=cache.namespace, key=keys[i],
-                                 dtype=cache.spec.kv_dtype, shape=shape)
-        except ChunkError as exc:
-            log.warning("refusing chunk %d (%s): %s", start_chunk + i, keys[i].hex()[:16], exc)
-            cache.metrics.chunk_errors.labels(exc.reason).inc()
-            cache.store.delete(keys[i:i + 1])
-            reason = exc.reason
-            break
-        payloads.append(chunk.payload)
-        nbytes += len(data)
-        tier = res.sources[i]
-        per_tier[tier] = per_tier.get(tier, 0) + 1
-    if len(payloads) == wanted:
-        reason = ABSENT
-    return LoadedRange(start_chunk, wanted, payloads, per_tier, reason, nbytes,
+    spans = [(i * c, (i + 1) * c) for i in range(start_chunk, end_chunk)]
+    run = cache.load_verified(keys, spans, first_index=start_chunk)
+    return LoadedRange(start_chunk, wanted, run.payloads, run.per_tier, run.reason, run.nbytes,
                        time.perf_counter() - t0)
 
 

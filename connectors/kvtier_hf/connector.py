@@ -168,7 +168,7 @@ class KVTierHF:
         else:
             cfg = cache if cache is not None else KVTierConfig()
             spec = namespace_for(model, chunk_tokens or cfg.chunk_tokens, model_id=model_id,
-                                 revision=revision, salt=bytes.fromhex(cfg.salt_hex),
+                                 revision=revision, salt=cfg.salt,
                                  hash_name=cfg.hash)  # type: ignore[arg-type]
             self.prefix_cache, self._owns_cache = PrefixCache.open(fit_config(cfg, spec), spec), True
         self.spec = self.prefix_cache.spec

@@ -56,11 +56,7 @@ def load_settings(extra: Mapping[str, Any] | None) -> tuple[KVTierConfig, VllmSe
         raise ConfigError(f"vllm: expected a mapping of connector settings, got {section!r}")
     path = data.pop("config_file", None)
     settings = from_dict(VllmSettings, section, prefix="vllm.")
-    cfg = KVTierConfig.load(path, overrides=data)
-    try:
-        bytes.fromhex(cfg.salt_hex)
-    except ValueError:
-        raise ConfigError(f"salt_hex: {cfg.salt_hex!r} is not a hex string") from None
+    cfg = KVTierConfig.load(path, overrides=data)  # validates salt_hex among the rest
     return cfg, settings
 
 
@@ -79,7 +75,7 @@ def namespace_salt(cfg: KVTierConfig, cache_salt: str | None) -> bytes:
     without it the salt is the tenant's UTF-8 bytes (empty: the shared namespace).
     """
     tenant = cache_salt or cfg.tenant
-    secret = bytes.fromhex(cfg.salt_hex) if cfg.salt_hex else b""
+    secret = cfg.salt
     if not tenant:
         return secret
     return tenant_salt(secret, tenant) if secret else tenant.encode()
