@@ -38,16 +38,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvtier_hf.testing import TinyLlamaSpec  # noqa: E402
+
 from bench._stats import fmt, median  # noqa: E402
-from tests.vllm_model import TinyLlama, build_model, random_tokens  # noqa: E402
+from tests.vllm_model import build_model, random_tokens  # noqa: E402
 from tests.vllm_replica import Replica  # noqa: E402
 
-FULL = TinyLlama(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                 num_attention_heads=16, num_key_value_heads=2, head_dim=64,
-                 max_position_embeddings=8192, seed=7)
-QUICK = TinyLlama(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                  max_position_embeddings=4096, seed=7)
+FULL = TinyLlamaSpec(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8,
+                     num_heads=16, num_kv_heads=2, max_positions=8192, initializer_range=0.1, seed=7)
+QUICK = TinyLlamaSpec(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=4,
+                      num_heads=8, num_kv_heads=2, max_positions=4096, initializer_range=0.1, seed=7)
 BLOCK = 128
 
 

@@ -27,7 +27,7 @@ import pytest
 from kvtier.chunk import HEADER_SIZE
 from kvtier.keys import KVLayout, NamespaceSpec, chunk_keys
 from tests.kvtier_servers import ServerProc, start_server
-from tests.vllm_model import TinyLlama, build_model, random_tokens
+from tests.vllm_model import VLLM_TEST_SPEC, build_model, random_tokens
 from tests.vllm_replica import Replica
 
 pytestmark = [
@@ -39,7 +39,7 @@ TOL = 2e-3        # max |logprob difference| between a kvtier run and the plain 
 BLOCK = 128       # vLLM's CPU block size
 CHUNK = 256       # kvtier chunk (2 engine blocks)
 P = 768           # shared prefix length (3 chunks)
-SPEC = TinyLlama()
+SPEC = VLLM_TEST_SPEC
 
 PREFIXES = {name: random_tokens(P, seed) for name, seed in
             (("p1", 101), ("p2", 102), ("p3", 103), ("p4", 104))}
@@ -237,8 +237,8 @@ def test_server_killed_mid_run_requests_still_complete(cluster: Cluster) -> None
 def _chunk_file(cluster: Cluster, tokens: list[int], index: int) -> Path:
     # The disk tier names each file by its kvtier key: the connector's keys are kvtier's own,
     # deterministic ones (model id, revision, dtype, layout, rank, salt), not vLLM's hashes.
-    spec = NamespaceSpec(model_id=cluster.model, layout=KVLayout(SPEC.num_hidden_layers,
-                         SPEC.num_key_value_heads, SPEC.head_dim, CHUNK), kv_dtype="float32")
+    spec = NamespaceSpec(model_id=cluster.model, layout=KVLayout(SPEC.num_layers,
+                         SPEC.num_kv_heads, SPEC.head_dim, CHUNK), kv_dtype="float32")
     key = chunk_keys(spec.namespace_id(), tokens, CHUNK, include_partial=False)[index].hex()
     return cluster.disk / key[:2] / f"{key}.kvc"
 

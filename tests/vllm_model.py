@@ -13,44 +13,29 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from kvtier_hf.testing import TinyLlamaSpec, build_random_llama
 
-@dataclass(frozen=True)
-class TinyLlama:
-    vocab_size: int = 512
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64
-    max_position_embeddings: int = 8192
-    initializer_range: float = 0.1
-    seed: int = 0
+# The engine tests' model: big enough for 128-token blocks to matter, small enough to start fast.
+# Larger than kvtier_hf's test default; the same builder, so the same seeded weights recipe.
+VLLM_TEST_SPEC = TinyLlamaSpec(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                               num_heads=4, num_kv_heads=2, max_positions=8192,
+                               initializer_range=0.1)
 
 
-def build_model(path: str | os.PathLike[str], spec: TinyLlama = TinyLlama()) -> Path:
+def build_model(path: str | os.PathLike[str], spec: TinyLlamaSpec = VLLM_TEST_SPEC) -> Path:
     """Write config.json + model.safetensors under ``path`` (skipped when already built)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     out = Path(path)
     stamp = out / "kvtier_model.json"
     if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
         return out
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(spec.seed)
-    cfg = LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = build_random_llama(spec)
+    # vLLM wants special token ids; 0-2 are never drawn by random_tokens.
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id, cfg.eos_token_id = 1, 2
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(asdict(spec)))
     return out
