@@ -17,7 +17,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bytes, memoryview)
+R = TypeVar("R")
 _DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long
 _PUT_MESSAGE_BYTES = 8 << 20  # chunks per PutRequest message, by bytes (bigger: more latency)
 # Refusals of the request, not failures of the node: the node stays up.
@@ -280,37 +281,31 @@ class NodeClient:
         return self.data
 
     def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
-        data = self._data_path(deadline)
-        if data is not None:
-            try:
-                return data.get(keys, deadline)
-            except NodeError as exc:
-                if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
-                    raise
-                self._data_failed(exc)
-        return self.grpc_get(keys, deadline)
+        return self._fast_or_grpc(deadline, lambda data: data.get(keys, deadline),
+                                  lambda: self.grpc_get(keys, deadline))
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: float) -> list[int | Miss]:
-        data = self._data_path(deadline)
-        if data is not None:
-            try:
-                return data.get_into(keys, outs, deadline)
-            except NodeError as exc:
-                if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
-                    raise
-                self._data_failed(exc)
-        return copy_into(self.grpc_get(keys, deadline), outs)
+        return self._fast_or_grpc(deadline, lambda data: data.get_into(keys, outs, deadline),
+                                  lambda: copy_into(self.grpc_get(keys, deadline), outs))
 
     def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+        return self._fast_or_grpc(deadline, lambda data: data.put(entries, deadline),
+                                  lambda: self.grpc_put(entries, deadline))
+
+    def _fast_or_grpc(self, deadline: float, fast: Callable[[SocketDataPath], R],
+                      grpc_call: Callable[[], R]) -> R:
+        """Run ``fast`` on the bulk data path when there is one; fall back to ``grpc_call`` only
+        when the path itself broke. A timeout or a refusal means the node answered (or is
+        hung): that error propagates, since retrying over gRPC would only double the wait."""
         data = self._data_path(deadline)
         if data is not None:
             try:
-                return data.put(entries, deadline)
+                return fast(data)
             except NodeError as exc:
-                if exc.reason == TIMEOUT or exc.code in REFUSALS:  # the node answered: no fallback
+                if exc.reason == TIMEOUT or exc.code in REFUSALS:
                     raise
                 self._data_failed(exc)
-        return self.grpc_put(entries, deadline)
+        return grpc_call()
 
     def _data_failed(self, exc: NodeError) -> None:
         """The data path broke but the node may be fine: use gRPC until the next Info."""
