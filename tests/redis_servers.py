@@ -18,10 +18,16 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
+
+from kvtier.config import RedisTierConfig
+from kvtier.tiers.redis import RedisTier
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -254,3 +260,28 @@ def make_tls_files(directory: Path) -> dict[str, str]:
     for cmd in steps:
         subprocess.run(cmd, check=True, capture_output=True, timeout=60)
     return {"cert": str(crt), "key": str(key), "ca": str(ca_crt)}
+
+
+# --- tiers under test ------------------------------------------------------------------------
+# Short deadlines and backoff so that outage tests finish in seconds.
+FAST = {"timeout_s": 0.5, "backoff_s": 0.05, "backoff_max_s": 0.3}
+
+
+def tier_for(url: str, **kw: Any) -> RedisTier:
+    """A RedisTier on ``url`` with the FAST timings (``kw`` overrides any config field)."""
+    return RedisTier(RedisTierConfig(url=url, **{**FAST, **kw}))
+
+
+@pytest.fixture(name="tiers")
+def redis_tiers() -> Iterator[Callable[..., RedisTier]]:
+    """Fixture ``tiers`` (import ``redis_tiers`` into a test module to use it): a factory of tiers (``tier_for``'s arguments), each closed when the test ends."""
+    made: list[RedisTier] = []
+
+    def make(url: str, **kw: Any) -> RedisTier:
+        t = tier_for(url, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()

@@ -15,43 +15,27 @@ from typing import Any
 
 import pytest
 
-from kvtier.config import RedisTierConfig
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import ABSENT, NODE_DOWN, TIMEOUT, Entry, Miss
 from kvtier.tiers.redis import RedisTier
 from tests.contract import TierContract, chunk_for, key_of
-from tests.redis_servers import (
+from tests.redis_servers import (  # noqa: F401 (redis_tiers provides the "tiers" fixture)
+    FAST,
     RedisClusterServers,
     RedisServer,
     free_port,
     have_redis,
     make_tls_files,
+    redis_tiers,
 )
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server/redis-cli not installed")
-
-FAST = {"timeout_s": 0.5, "backoff_s": 0.05, "backoff_max_s": 0.3}
-
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisClusterServers]:
     c = RedisClusterServers().start()
     yield c
     c.cleanup()
-
-
-@pytest.fixture
-def tiers() -> Iterator[Callable[..., RedisTier]]:
-    made: list[RedisTier] = []
-
-    def make(url: str, **kw: Any) -> RedisTier:
-        t = RedisTier(RedisTierConfig(url=url, **{**FAST, **kw}))
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 class TestRedisClusterContract(TierContract):

@@ -25,36 +25,23 @@ from kvtier.tiers.base import ABSENT, EXPIRED, NODE_DOWN, TIMEOUT, Entry, Miss
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_conn import parse_url, resolve_target
 from tests.contract import TierContract, chunk_for, key_of
-from tests.redis_servers import RedisServer, free_port, have_redis, make_tls_files
+from tests.redis_servers import (  # noqa: F401 (redis_tiers provides the "tiers" fixture)
+    FAST,
+    RedisServer,
+    free_port,
+    have_redis,
+    make_tls_files,
+    redis_tiers,
+    tier_for,
+)
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server/redis-cli not installed")
-
-FAST = {"timeout_s": 0.5, "backoff_s": 0.05, "backoff_max_s": 0.3}
-
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
     s = RedisServer().start()
     yield s
     s.cleanup()
-
-
-def tier_for(url: str, **kw: Any) -> RedisTier:
-    return RedisTier(RedisTierConfig(url=url, **{**FAST, **kw}))
-
-
-@pytest.fixture
-def tiers() -> Iterator[Callable[..., RedisTier]]:
-    made: list[RedisTier] = []
-
-    def make(url: str, **kw: Any) -> RedisTier:
-        t = tier_for(url, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 class TestRedisContract(TierContract):
