@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtier_hf.testing import TinyLlamaSpec  # noqa: E402
+from kvtier_hf.random_llama import TinyLlamaSpec  # noqa: E402
 
 from bench._stats import fmt, median  # noqa: E402
 from tests.vllm_model import build_model, random_tokens  # noqa: E402

@@ -115,7 +115,7 @@ class _Client:
         if system == "kvtier":
             from kvtier.config import GrpcTierConfig
             from kvtier.tiers.base import Entry
-            from kvtier.tiers.grpc import GrpcTier
+            from kvtier.tiers.remote import GrpcTier
 
             self.tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(addr["kvtier"],), data_path=path,
                                                 timeout_s=60))
@@ -271,7 +271,7 @@ def main() -> None:
     from redis_servers import RedisServer
 
     from kvtier.config import GrpcTierConfig
-    from kvtier.tiers.grpc import GrpcTier
+    from kvtier.tiers.remote import GrpcTier
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-remote-bench-"))
     kv_proc, kv_addr = start_kvtier(work)

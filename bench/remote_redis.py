@@ -45,7 +45,7 @@ from bench._stats import fmt, gbps, median
 from kvtier.config import RedisTierConfig
 from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_conn import SOCKET_READ_SIZE, _construct_command_packer
+from kvtier.tiers.redis.conn import SOCKET_READ_SIZE, _construct_command_packer
 from tests.redis_servers import RedisClusterServers, RedisServer, have_redis
 
 VALUE_BYTES = 1 << 20

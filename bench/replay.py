@@ -38,7 +38,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvtier.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, NothingToEvict
+from kvtier.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, NothingToEvict
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 PERCENTS = (5, 10, 20, 40)

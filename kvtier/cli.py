@@ -1,104 +1,30 @@
-"""The ``kvtier`` command line: ``kvtier demo`` today, room for more subcommands (``stats``).
+"""The ``kvtier`` command line.
 
-Each subcommand is a ``_add_<name>(subparsers)`` that registers its flags and a handler
-taking the parsed namespace and returning the exit status. Imports of heavy modules (torch,
-transformers, the connector) happen inside handlers, so ``kvtier --help`` stays instant.
+Subcommands come from two places: the core's own (``_COMMANDS`` below) and the
+``kvtier.commands`` entry points of installed packages, which is how a connector adds one
+without the core importing it (``kvtier demo`` is the transformers connector's:
+``kvtier_hf.demo_cli``). Either is an ``add_parser(subparsers)`` that registers its flags and
+``handler`` (parsed namespace -> exit status); it may also set ``progress_logger``, a logger
+shown at INFO unless ``-q``. Imports of heavy modules (torch, transformers, the connector)
+happen inside handlers, so ``kvtier --help`` stays instant.
 Progress and diagnostics go to stderr through ``logging``; results go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 from kvtier import __version__
 
 log = logging.getLogger("kvtier.cli")
 
-DEMO_EPILOG = """\
-what it does:
-  1. cold run (this process): builds a random-weight Llama (no download), prefills the whole
-     prompt, saves its K/V chunks into a cpu tier written through to a disk tier, decodes.
-  2. warm run (a fresh process, sharing only the disk directory): restores the prefix from the
-     store, prefills only the last prompt token, decodes.
-  It prints the prefill tokens saved, both times to first token, hits per tier, and whether the
-  two greedy outputs are identical. No GPU, Redis or config file is needed.
-
-examples:
-  kvtier demo                         # defaults: 3072-token prefix + 64-token question
-  kvtier demo --json                  # last stdout line is one JSON object
-  kvtier demo --prefix-tokens 1024    # quicker
-  kvtier demo --dir /tmp/kv           # keep the disk tier there; a rerun's cold phase then hits
-  kvtier-server --port 50051 &        # then: kvtier demo --server 127.0.0.1:50051
-"""
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser(
-        "demo", help="cold vs warm run of a real engine over a shared long prefix",
-        description="Run a real engine (transformers, random-weight Llama) over a long shared "
-                    "prefix twice, cold and then warm in a fresh process, and show what kvtier saved.",
-        epilog=DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="end the output with one JSON line of results")
-    p.add_argument("--prefix-tokens", type=_positive, default=3072, metavar="N",
-                   help="length of the shared prefix (default 3072)")
-    p.add_argument("--question-tokens", type=_positive, default=64, metavar="N",
-                   help="tokens after the prefix (default 64)")
-    p.add_argument("--new-tokens", type=_positive, default=16, metavar="N",
-                   help="greedy tokens to generate (default 16)")
-    p.add_argument("--chunk-tokens", type=_positive, default=128, metavar="N",
-                   help="tokens per cached chunk (default 128: 2 MiB chunks of the demo model)")
-    p.add_argument("--preset", choices=("demo", "test"), default="demo",
-                   help="model size: demo (~32M params, default) or test (tiny, for smoke tests)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens (default 0)")
-    p.add_argument("--dir", metavar="PATH",
-                   help="directory for the disk tier (default: a fresh temporary one, removed after)")
-    p.add_argument("--server", metavar="HOST:PORT",
-                   help="use a running kvtier-server (grpc tier) instead of the disk tier; the "
-                        "server keeps the chunks, so a rerun's cold phase hits too")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    # Internal: run one phase in this process and print its result as JSON (the warm phase's
-    # fresh process is started this way).
-    p.add_argument("--_phase", choices=("cold", "warm"), help=argparse.SUPPRESS)
-    p.set_defaults(handler=_run_demo)
-
-
-def _run_demo(ns: argparse.Namespace) -> int:
-    from kvtier import demo
-
-    opts = demo.DemoOptions(prefix_tokens=ns.prefix_tokens, question_tokens=ns.question_tokens,
-                            new_tokens=ns.new_tokens, chunk_tokens=ns.chunk_tokens, preset=ns.preset,
-                            seed=ns.seed, dir=ns.dir, server=ns.server)
-    try:
-        if ns._phase:
-            result = demo.run_phase(opts, ns._phase)
-            print(json.dumps(demo.asdict(result)), flush=True)
-            return 0
-        child_flags = ["-v"] if ns.verbose else ["-q"] if ns.quiet else []
-        report = demo.run_demo(opts, child_flags)
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("torch", "transformers", "kvtier_hf"):
-            raise
-        log.error("kvtier demo needs torch and transformers (%s): pip install 'kvtier[hf]'", exc)
-        return 2
-    except RuntimeError as exc:  # the warm-phase process failed; its own errors came first
-        log.error("%s", exc)
-        return 1
-    print(demo.format_report(report), flush=True)
-    if ns.json:
-        print(json.dumps(report.to_dict()), flush=True)
-    return 0 if report.outputs_identical else 1
+AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+# The core's own subcommands (the connectors' come from entry points).
+_COMMANDS: list[AddParser] = []
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtier", description="kvtier: a tiered, distributed KV-cache store for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_demo(sub)
+    for add_parser in _COMMANDS:
+        add_parser(sub)
+    for ep in sorted(entry_points(group="kvtier.commands"), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except ImportError as exc:  # a broken plugin must not take the other commands down
+            log.warning("command %s (%s) unavailable: %s", ep.name, ep.value, exc)
     return parser
 
 
@@ -115,8 +47,9 @@ def _setup_logging(ns: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s" if verbose
                         else "kvtier: %(message)s")
-    if not quiet and not verbose:
-        logging.getLogger("kvtier.demo").setLevel(logging.INFO)
+    progress = getattr(ns, "progress_logger", None)
+    if progress and not quiet and not verbose:
+        logging.getLogger(progress).setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.policy import DEFAULT_POLICY
+from kvtier.policies import DEFAULT_POLICY
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -1,4 +1,11 @@
-"""Every Prometheus metric kvtier exports, declared once.
+"""The library's Prometheus metrics (the store's), and the latency buckets every kvtier
+histogram shares.
+
+Three processes export kvtier metrics, and each declares its own in one place: the library
+here (``kvtier_lookup_*``, ``kvtier_tier_*``, ``kvtier_store_*``, ...), kvtier-server in
+``kvtier.server.metrics`` (``kvtier_server_*``) and the vLLM connector in
+``kvtier_vllm.stats`` (``kvtier_connector_*``, registered on this module's registry). All of
+them take their histogram buckets from :data:`LATENCY_BUCKETS`.
 
 Names follow ``kvtier_<subsystem>_<what>_<unit>``. Each :class:`Metrics` owns its own
 ``CollectorRegistry`` so that several stores (tests, a server hosting many tenants) never
@@ -10,8 +17,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                    0.25, 0.5, 1.0, 2.5, 5.0)
+# Seconds, from 100 us (a RAM lookup) to 10 s (a long restore from a slow tier).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
@@ -48,12 +56,12 @@ class Metrics:
             registry=r)
         self.entries = Gauge("kvtier_tier_entries", "Chunks held by a tier", ["tier"], registry=r)
         self.lookup_seconds = Histogram(
-            "kvtier_lookup_duration_seconds", "Store lookup latency", registry=r, buckets=_LATENCY_BUCKETS)
+            "kvtier_lookup_duration_seconds", "Store lookup latency", registry=r, buckets=LATENCY_BUCKETS)
         self.load_seconds = Histogram(
-            "kvtier_load_duration_seconds", "Store load latency", registry=r, buckets=_LATENCY_BUCKETS)
+            "kvtier_load_duration_seconds", "Store load latency", registry=r, buckets=LATENCY_BUCKETS)
         self.save_seconds = Histogram(
             "kvtier_save_duration_seconds", "Store write latency (first tier)", registry=r,
-            buckets=_LATENCY_BUCKETS)
+            buckets=LATENCY_BUCKETS)
 
     def exposition(self) -> bytes:
         """Prometheus text format of every metric in this registry."""

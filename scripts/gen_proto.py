@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Regenerate kvtier/server/gen/ from proto/kvtier/v1/kvtier.proto (one command, reproducible).
+"""Regenerate kvtier/protocol/gen/ from proto/kvtier/v1/kvtier.proto (one command, reproducible).
 
     python scripts/gen_proto.py            # rewrite the committed generated files
     python scripts/gen_proto.py --check    # exit 1 if they differ from a fresh generation
@@ -7,8 +7,8 @@
 
 protoc (bundled with grpcio-tools) names the module after the proto path, ``kvtier.v1``, which
 would shadow this very package; the only post-processing step rewrites that one import to
-``kvtier.server.gen``. Output depends on the grpcio-tools version, recorded in
-``kvtier/server/gen/__init__.py`` as GENERATED_WITH.
+``kvtier.protocol.gen``. Output depends on the grpcio-tools version, recorded in
+``kvtier/protocol/gen/__init__.py`` as GENERATED_WITH.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO = "kvtier/v1/kvtier.proto"
-GEN = ROOT / "kvtier" / "server" / "gen"
+GEN = ROOT / "kvtier" / "protocol" / "gen"
 FILES = ("kvtier_pb2.py", "kvtier_pb2.pyi", "kvtier_pb2_grpc.py")
 
 
@@ -55,7 +55,7 @@ def generate(out: Path) -> None:
         src = Path(tmp) / "kvtier" / "v1"
         for name in FILES:
             text = (src / name).read_text()
-            text = text.replace("from kvtier.v1 import kvtier_pb2", "from kvtier.server.gen import kvtier_pb2")
+            text = text.replace("from kvtier.v1 import kvtier_pb2", "from kvtier.protocol.gen import kvtier_pb2")
             (out / name).write_text(text)
     (out / "__init__.py").write_text(init_text())
 

@@ -26,7 +26,7 @@ from kvtier.server.dashboard import PeerReply, cluster_document, node_summary
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.storage import Storage
 from kvtier.tiers.base import Entry
-from kvtier.tiers.grpc import GrpcTier
+from kvtier.tiers.remote import GrpcTier
 from tests.kvtier_servers import ROOT, ServerProc, make_chunk, make_keys, start_server
 
 

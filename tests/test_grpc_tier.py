@@ -18,7 +18,7 @@ import pytest
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import NODE_DOWN, TIMEOUT, Entry, Miss, Tier
-from kvtier.tiers.grpc import GrpcTier, node_seed, rendezvous
+from kvtier.tiers.remote import GrpcTier, node_seed, rendezvous
 from tests.contract import TierContract
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 

@@ -19,7 +19,7 @@ import torch
 from kvtier_hf import KVTierHF, namespace_for
 from kvtier_hf.compat import ForwardKwargs, cache_layers, layer_kv
 from kvtier_hf.kv import cache_from_chunks
-from kvtier_hf.testing import TEST_SPEC, build_random_llama, random_prompt
+from kvtier_hf.random_llama import TEST_SPEC, build_random_llama, random_prompt
 
 from kvtier.cache import PrefixCache
 from kvtier.chunk import encode_chunk
@@ -201,7 +201,7 @@ _SECOND_PROCESS = textwrap.dedent("""
     import json, sys
     from kvtier.config import KVTierConfig
     from kvtier_hf import KVTierHF
-    from kvtier_hf.testing import TEST_SPEC, build_random_llama, random_prompt
+    from kvtier_hf.random_llama import TEST_SPEC, build_random_llama, random_prompt
     cfg = KVTierConfig.from_dict(json.loads(sys.argv[1]))
     ids = random_prompt(int(sys.argv[2]), TEST_SPEC.vocab_size, 7)
     with KVTierHF(build_random_llama(TEST_SPEC), cfg) as hf:

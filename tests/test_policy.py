@@ -14,9 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.policies.prefix import PrefixPolicy
-from kvtier.policies.s3fifo import S3FIFOPolicy
-from kvtier.policy import (
+from kvtier.policies import (
     DEFAULT_POLICY,
     POLICIES,
     EvictionPolicy,
@@ -24,6 +22,8 @@ from kvtier.policy import (
     NothingToEvict,
     make_policy,
 )
+from kvtier.policies.prefix import PrefixPolicy
+from kvtier.policies.s3fifo import S3FIFOPolicy
 
 ALL = sorted(POLICIES)
 REPO = Path(__file__).resolve().parents[1]

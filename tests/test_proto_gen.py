@@ -26,7 +26,7 @@ def test_descriptor_matches_proto(tmp_path: Path) -> None:
     gen.generate(tmp_path)
     from google.protobuf import descriptor_pb2
 
-    from kvtier.server.gen import kvtier_pb2
+    from kvtier.protocol.gen import kvtier_pb2
 
     committed = descriptor_pb2.FileDescriptorProto()
     kvtier_pb2.DESCRIPTOR.CopyToProto(committed)
@@ -38,7 +38,7 @@ def test_descriptor_matches_proto(tmp_path: Path) -> None:
 
 def test_generated_files_match_byte_for_byte(tmp_path: Path) -> None:
     gen = _load_script()
-    from kvtier.server import gen as committed
+    from kvtier.protocol import gen as committed
 
     if committed.GENERATED_WITH != f"grpcio-tools {gen.tools_version()}":
         pytest.skip(f"committed code was made with {committed.GENERATED_WITH}, "

@@ -23,7 +23,7 @@ from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError, TierUnavailableError
 from kvtier.tiers.base import ABSENT, EXPIRED, NODE_DOWN, TIMEOUT, Entry, Miss
 from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_conn import parse_url, resolve_target
+from kvtier.tiers.redis.conn import parse_url, resolve_target
 from tests.contract import TierContract, chunk_for, key_of
 from tests.redis_servers import (  # noqa: F401 (redis_tiers provides the "tiers" fixture)
     FAST,

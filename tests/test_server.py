@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.server.gen import kvtier_pb2 as pb
-from kvtier.server.gen import kvtier_pb2_grpc as pb_grpc
+from kvtier.protocol.gen import kvtier_pb2 as pb
+from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
 from tests.kvtier_servers import ROOT, ServerProc, make_chunk, make_keys, start_server
 
 

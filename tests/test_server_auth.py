@@ -19,13 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import ConfigError
+from kvtier.protocol.frames import ERROR, FrameReader, WireLimits, encode_hello
+from kvtier.protocol.gen import kvtier_pb2 as pb
+from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
+from kvtier.protocol.socket_io import read_frame, send_all
 from kvtier.server.auth import parse_tokens
-from kvtier.server.gen import kvtier_pb2 as pb
-from kvtier.server.gen import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.base import ABSENT, NODE_DOWN, Entry, Miss
-from kvtier.tiers.grpc import GrpcTier
-from kvtier.wire import ERROR, FrameReader, WireLimits, encode_hello
-from kvtier.wire_io import read_frame, send_all
+from kvtier.tiers.remote import GrpcTier
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
 ALICE, BOB, ROOT_TOKEN = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef", "root-token-0123456789abcdef"

@@ -17,16 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.chunk import HEADER_SIZE
-from kvtier.server.gen import kvtier_pb2 as pb
-from kvtier.server.requests import (
-    BadRequest,
-    Limits,
-    decode_info,
-    decode_keys,
-    decode_put,
-    decode_stats,
-)
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     CHUNK,
     ERROR,
     PUT_REPLY,
@@ -41,7 +32,16 @@ from kvtier.wire import (
     encode_shm_mapped,
     encode_shm_open,
 )
-from kvtier.wire_io import read_frame, send_all
+from kvtier.protocol.gen import kvtier_pb2 as pb
+from kvtier.protocol.socket_io import read_frame, send_all
+from kvtier.server.requests import (
+    BadRequest,
+    Limits,
+    decode_info,
+    decode_keys,
+    decode_put,
+    decode_stats,
+)
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
 MAX_MESSAGE = 2 << 20

@@ -1,4 +1,4 @@
-"""kvtier.wire, sans-I/O: a client and a server session talking through in-memory byte
+"""kvtier.protocol.frames, sans-I/O: a client and a server session talking through in-memory byte
 streams (no sockets), split at every possible boundary, plus a hypothesis fuzz of the
 decoder: whatever bytes arrive, the only error is ProtocolError."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     CHUNK,
     ERROR,
     GET,
@@ -45,7 +45,7 @@ from kvtier.wire import (
     parse_shm_ready,
     parse_welcome,
 )
-from kvtier.wire_session import GetReplyCollector, ServerSession, ShmControl
+from kvtier.protocol.session import GetReplyCollector, ServerSession, ShmControl
 from tests.kvtier_servers import make_keys
 
 LIMITS = WireLimits(max_chunk_bytes=1 << 16, max_batch_keys=64)

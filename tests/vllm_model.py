@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from kvtier_hf.testing import TinyLlamaSpec, build_random_llama
+from kvtier_hf.random_llama import TinyLlamaSpec, build_random_llama
 
 # The engine tests' model: big enough for 128-token blocks to matter, small enough to start fast.
 # Larger than kvtier_hf's test default; the same builder, so the same seeded weights recipe.

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.metrics import Metrics
+from kvtier.metrics import LATENCY_BUCKETS, Metrics
 
 _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "load_bytes",
              "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits")
@@ -104,10 +104,11 @@ class ConnectorMetrics:
             "Restores that fell short (blocks recomputed), by reason", ["reason"], registry=r)
         self.load_seconds = Histogram(
             "kvtier_connector_load_duration_seconds", "Time from load start to last layer restored",
-            registry=r)
+            registry=r, buckets=LATENCY_BUCKETS)
         self.prefetch_wait_seconds = Histogram(
             "kvtier_connector_prefetch_wait_seconds",
-            "Time the engine waited for a prefetch that had not finished", registry=r)
+            "Time the engine waited for a prefetch that had not finished", registry=r,
+            buckets=LATENCY_BUCKETS)
         self.save_chunks = Counter(
             "kvtier_connector_saved_chunks_total", "Chunks handed to the store", registry=r)
         self.save_dropped = Counter(

@@ -1,1 +1,43 @@
-"""Eviction policies beyond the LRU baseline; import them through :mod:`kvtier.policy`."""
+"""Eviction policies: pure bookkeeping, no I/O, no locks (the owning tier serialises calls).
+
+A policy tracks keys and picks victims; it never sees bytes. Every policy supports pinning:
+a pinned key is never chosen as a victim (hot system prompts). The full contract is in
+:mod:`kvtier.policies.base`; this package's root is the registry every tier builds its policy
+from, and each policy has a module of its own.
+
+Policies (hit ratios on the replayed Mooncake trace: ``python bench/replay.py``):
+- ``prefix`` (default): prefix-aware, leaf-first, ranked by recency and mean reuse gap, with a
+  ghost history (:mod:`kvtier.policies.prefix`).
+- ``s3fifo``: S3-FIFO (:mod:`kvtier.policies.s3fifo`).
+- ``lru``: least recently used, the baseline every other policy is measured against
+  (:mod:`kvtier.policies.lru`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.policies.base import EvictionPolicy, NothingToEvict
+from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.prefix import PrefixPolicy
+from kvtier.policies.s3fifo import S3FIFOPolicy
+
+__all__ = [
+    "DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
+    "PrefixPolicy", "S3FIFOPolicy", "make_policy",
+]
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "prefix": PrefixPolicy,
+}
+DEFAULT_POLICY = "prefix"
+
+
+def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}") from None

@@ -1,4 +1,4 @@
-"""The eviction-policy contract, shared by :mod:`kvtier.policy` and :mod:`kvtier.policies`.
+"""The eviction-policy contract, implemented by every module of :mod:`kvtier.policies`.
 
 Contract for every policy:
 - Pure bookkeeping: no I/O, no locks, no wall clock (a logical clock ticks once per insert or

@@ -181,9 +181,10 @@ def _read(path: str) -> bytes:
 def _tenant_dict(store: Any) -> dict[str, Any]:
     """_usage_dict plus request traffic and per-tier evictions (by reason: a server tier
     evicts only to stay within its capacity) for the cluster dashboard."""
-    doc = {**_usage_dict(store.usage()), **store.traffic.snapshot()}
-    for tier in doc["tiers"]:
-        tier["evictions"] = {"capacity": store.counters[tier["name"]].evicted}
+    usage = store.usage()
+    doc = {**_usage_dict(usage), **store.traffic.snapshot()}
+    for tier, tier_usage in zip(doc["tiers"], usage.tiers):
+        tier["evictions"] = {"capacity": tier_usage.evictions}
     return doc
 
 

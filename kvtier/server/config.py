@@ -25,7 +25,7 @@ from kvtier.config import (
     value_range,
 )
 from kvtier.errors import ConfigError
-from kvtier.wire import is_loopback
+from kvtier.protocol.addresses import is_loopback
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -1,4 +1,4 @@
-"""The bulk data path: kvtier.wire frames over TCP (or TLS), one thread per connection.
+"""The bulk data path: kvtier.protocol.frames frames over TCP (or TLS), one thread per connection.
 
 Why threads and not the asyncio loop: a thread blocked in ``recv_into``/``sendmsg`` releases
 the GIL, bodies land straight in their buffer (no asyncio StreamReader copies) and chunk
@@ -39,12 +39,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvtier.server.auth import Authenticator, AuthError
-from kvtier.server.metrics import ServerMetrics
-from kvtier.server.requests import BadRequest, Limits, make_entry
-from kvtier.server.storage import Storage, TenantStore
-from kvtier.tiers.base import Miss
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     SHM_OPEN,
     FrameReader,
     ProtocolError,
@@ -59,8 +54,13 @@ from kvtier.wire import (
     encode_shm_ready,
     encode_welcome,
 )
-from kvtier.wire_io import read_frame, send_all
-from kvtier.wire_session import ServerSession, ShmControl
+from kvtier.protocol.session import ServerSession, ShmControl
+from kvtier.protocol.socket_io import read_frame, send_all
+from kvtier.server.auth import Authenticator, AuthError
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.requests import BadRequest, Limits, make_entry
+from kvtier.server.storage import Storage, TenantStore
+from kvtier.tiers.base import Miss
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"

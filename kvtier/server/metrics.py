@@ -13,10 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.metrics import LATENCY_BUCKETS
 from kvtier.server.storage import Storage
-
-_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-            1.0, 2.5, 5.0)
 
 
 class _StorageCollector(Collector):
@@ -42,7 +40,7 @@ class _StorageCollector(Collector):
                 used.add_metric([name, usage.name], usage.used_bytes)
                 cap.add_metric([name, usage.name], usage.capacity_bytes)
                 entries.add_metric([name, usage.name], usage.entries)
-                evictions.add_metric([name, usage.name], store.counters[usage.name].evicted)
+                evictions.add_metric([name, usage.name], usage.evictions)
             traffic = store.traffic.snapshot()
             for op in ("lookup", "get"):
                 for tier, n in traffic[op]["hit_chunks"].items():
@@ -60,7 +58,7 @@ class ServerMetrics:
         self.requests = Counter("kvtier_server_requests_total", "Requests answered, by method and status",
                                 ["method", "code"], registry=r)
         self.seconds = Histogram("kvtier_server_request_duration_seconds", "Request latency",
-                                 ["method"], registry=r, buckets=_BUCKETS)
+                                 ["method"], registry=r, buckets=LATENCY_BUCKETS)
         self.bytes = Counter("kvtier_server_chunk_bytes_total", "Chunk bytes moved",
                              ["direction", "path"], registry=r)
         self.rejected = Counter("kvtier_server_rejected_chunks_total",

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from kvtier.chunk import HEADER_SIZE, decode_header
 from kvtier.errors import ChunkError
 from kvtier.keys import KEY_BYTES
-from kvtier.server.gen import kvtier_pb2 as pb
+from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.tiers.base import Entry
 
 

@@ -27,8 +27,8 @@ from grpc import aio
 
 from kvtier import __version__
 from kvtier.keys import KEY_BYTES
+from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.server.auth import Authenticator, AuthError, Tenant
-from kvtier.server.gen import kvtier_pb2 as pb
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import (
     BadRequest,

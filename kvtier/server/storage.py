@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
-from kvtier.policy import EvictionPolicy
 from kvtier.server.auth import Tenant
 from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier
@@ -106,9 +105,6 @@ class TenantStore:
         self.tiers: tuple[Tier, ...] = tuple(t for t in (ram, disk) if t is not None)
         self.bottom = self.tiers[-1]
         self.max_chunk_bytes = disk.capacity_bytes if disk is not None else ram.slot_bytes  # type: ignore[union-attr]
-        # Count evictions through the tiers' pluggable policy: an evict listener would make
-        # the tiers copy (RAM) or re-read (disk) every victim just to be counted.
-        self.counters = {t.name: _count_evictions(t) for t in self.tiers}
         self.traffic = Traffic()
 
     @property
@@ -228,12 +224,9 @@ class TenantStore:
     def usage(self) -> TenantUsage:
         tiers = tuple(t.usage() for t in self.tiers)
         bottom = tiers[-1]
+        # The bottom tier's evictions: chunks evicted to stay within the quota.
         return TenantUsage(self.tenant.name, bottom.used_bytes, bottom.capacity_bytes,
-                           bottom.entries, self.evictions(), tiers)
-
-    def evictions(self) -> int:
-        """Chunks the bottom tier evicted to stay within the quota."""
-        return self.counters[self.bottom.name].evicted
+                           bottom.entries, bottom.evictions, tiers)
 
     def check(self) -> list[str]:
         return [f"{self.tenant.name}/{t.name}: {p}" for t in self.tiers for p in t.check()]
@@ -241,35 +234,6 @@ class TenantStore:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
-
-
-class CountingPolicy:
-    """Wraps a tier's eviction policy and counts the victims it picks."""
-
-    def __init__(self, inner: EvictionPolicy) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.evicted = 0
-
-    def evict(self) -> bytes:
-        victim = self.inner.evict()
-        self.evicted += 1  # called under the tier's lock
-        return victim
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-
-def _count_evictions(tier: Tier) -> CountingPolicy:
-    counting = CountingPolicy(tier.policy)  # type: ignore[attr-defined]
-    tier.policy = counting  # type: ignore[attr-defined]
-    return counting
 
 
 class Storage:

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.codec import Buf
 from kvtier.keys import KEY_BYTES
-from kvtier.policy import EvictionPolicy
+from kvtier.policies import EvictionPolicy
 
 # Miss reasons: each is a metric label value (kvtier_lookup_miss_tokens_total{reason=...}).
 ABSENT = "absent"
@@ -74,10 +74,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class TierUsage:
+    """A tier's footprint. ``evictions`` counts the chunks the tier itself evicted to stay
+    within its capacity since it was built (0 for tiers whose bound lives in another process:
+    redis, remote)."""
+
     name: str
     used_bytes: int
     capacity_bytes: int
     entries: int
+    evictions: int = 0
 
 
 EvictListener = Callable[[bytes, bytes], None]
@@ -207,9 +212,17 @@ class BoundedTier(TierBase):
     capacity_bytes: int
     policy: EvictionPolicy
     _used: int
+    _evictions: int = 0
 
     def _entries(self) -> int:
         raise NotImplementedError
+
+    def _pick_victim(self) -> bytes:
+        """The policy's next victim, counted in ``usage().evictions``. Call under the lock;
+        raises :class:`~kvtier.policies.NothingToEvict` as the policy does."""
+        victim = self.policy.evict()
+        self._evictions += 1
+        return victim
 
     def pin(self, keys: Sequence[bytes]) -> None:
         """Never evict ``keys`` (hot system prompts) until :meth:`unpin`."""
@@ -224,4 +237,4 @@ class BoundedTier(TierBase):
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(self.name, self._used, self.capacity_bytes, self._entries())
+            return TierUsage(self.name, self._used, self.capacity_bytes, self._entries(), self._evictions)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.config import CpuTierConfig
-from kvtier.policy import NothingToEvict, make_policy
+from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class CpuTier(BoundedTier):
     def _take_slot(self, evicted: list[tuple[bytes, bytes]], want_data: bool) -> int | None:
         while not self._free:
             try:
-                victim = self.policy.evict()
+                victim = self._pick_victim()
             except NothingToEvict:
                 return None
             slot, length = self._map.pop(victim)

@@ -24,7 +24,7 @@ def build_tiers(cfg: KVTierConfig) -> list[Tier]:
 
         tiers.append(RedisTier(cfg.redis))
     if cfg.grpc.enabled:
-        from kvtier.tiers.grpc import GrpcTier
+        from kvtier.tiers.remote import GrpcTier
 
         tiers.append(GrpcTier(cfg.grpc))
     if not tiers:

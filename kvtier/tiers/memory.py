@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.policy import DEFAULT_POLICY, EvictionPolicy, NothingToEvict, make_policy
+from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, NothingToEvict, make_policy
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys
 
 
@@ -70,7 +70,7 @@ class MemoryTier(BoundedTier):
             self.policy.remove(e.key)
         while self._used + size > self.capacity_bytes:
             try:
-                victim = self.policy.evict()
+                victim = self._pick_victim()
             except NothingToEvict:
                 return False
             value = self._data.pop(victim)

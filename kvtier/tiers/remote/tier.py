@@ -33,7 +33,6 @@ from functools import partial
 from typing import TypeVar
 
 import grpc
-import xxhash
 
 from kvtier.chunk import decode_header
 from kvtier.config import GrpcTierConfig
@@ -49,7 +48,9 @@ from kvtier.tiers.base import (
     TierUsage,
     check_keys,
 )
-from kvtier.tiers.grpc_node import NodeClient, NodeError, channel_credentials, read_token
+from kvtier.tiers.remote.errors import NodeError
+from kvtier.tiers.remote.node import NodeClient, channel_credentials, read_token
+from kvtier.tiers.remote.placement import node_seed, rendezvous
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,17 +65,6 @@ def is_whole_chunk(entry: Entry) -> bool:
     except ChunkError:
         return False
     return header.key == entry.key and header.nbytes == memoryview(entry.data).nbytes
-
-
-def node_seed(address: str) -> int:
-    return xxhash.xxh3_64_intdigest(address.encode())
-
-
-def rendezvous(key: bytes, seeds: Sequence[int], replicas: int) -> list[int]:
-    """The ``replicas`` node indexes with the highest score xxh3(key, seed=node seed), best
-    first. Pure and stable: every client with the same node list places a key identically."""
-    scores = sorted(((xxhash.xxh3_64_intdigest(key, seed=s), i) for i, s in enumerate(seeds)), reverse=True)
-    return [i for _, i in scores[:replicas]]
 
 
 class GrpcTier(TierBase):

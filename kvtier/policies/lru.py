@@ -1,29 +1,10 @@
-"""Eviction policies: pure bookkeeping, no I/O, no locks (the owning tier serialises calls).
-
-A policy tracks keys and picks victims; it never sees bytes. Every policy supports pinning:
-a pinned key is never chosen as a victim (hot system prompts). The full contract is in
-:mod:`kvtier.policies.base`; this module is the registry every tier builds its policy from.
-
-Policies (hit ratios on the replayed Mooncake trace: ``python bench/replay.py``):
-- ``prefix`` (default): prefix-aware, leaf-first, ranked by recency and mean reuse gap, with a
-  ghost history (:mod:`kvtier.policies.prefix`).
-- ``s3fifo``: S3-FIFO (:mod:`kvtier.policies.s3fifo`).
-- ``lru``: least recently used, the baseline every other policy is measured against.
-"""
+"""Least recently used: the baseline every other policy is measured against."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
-from kvtier.policies.base import EvictionPolicy, NothingToEvict
-from kvtier.policies.prefix import PrefixPolicy
-from kvtier.policies.s3fifo import S3FIFOPolicy
-
-__all__ = [
-    "DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
-    "PrefixPolicy", "S3FIFOPolicy", "make_policy",
-]
+from kvtier.policies.base import NothingToEvict
 
 
 class LRUPolicy:
@@ -78,18 +59,3 @@ class LRUPolicy:
 
     def __len__(self) -> int:
         return len(self._order) + len(self._held)
-
-
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "s3fifo": S3FIFOPolicy,
-    "prefix": PrefixPolicy,
-}
-DEFAULT_POLICY = "prefix"
-
-
-def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}") from None

@@ -1,9 +1,9 @@
-"""The two socket loops both ends of the data path share (the framing is in kvtier.wire).
+"""The two socket loops both ends of the data path share (the framing is in kvtier.protocol.frames).
 
 ``send_all`` writes a list of buffers in order with ``sendmsg`` (scatter/gather: a frame
 header and a chunk go out in one call, the chunk never joined or copied); TLS sockets have
 no ``sendmsg`` and use ``sendall`` per buffer. ``read_frame`` fills a
-:class:`~kvtier.wire.FrameReader`'s buffers with ``recv_into`` until one frame completes.
+:class:`~kvtier.protocol.frames.FrameReader`'s buffers with ``recv_into`` until one frame completes.
 Both raise what the socket raises (OSError and subclasses, ``ssl.SSLError``) and
 ``ProtocolError`` for a bad frame.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import ssl
 
-from kvtier.wire import Buffers, Frame, FrameReader
+from kvtier.protocol.frames import Buffers, Frame, FrameReader
 
 _IOV = 512  # buffers per sendmsg call (well under IOV_MAX = 1024)
 

@@ -1,4 +1,4 @@
-"""Client of a kvtier-server data port (kvtier.wire frames over TCP or TLS).
+"""Client of a kvtier-server data port (kvtier.protocol.frames frames over TCP or TLS).
 
 A small pool of connections per node; a verb checks one out, runs one request on it and
 puts it back, so concurrent callers use separate connections (up to ``connections``, then
@@ -17,8 +17,8 @@ buffer with one ``sendmsg``. Deadlines on plain TCP are SO_RCVTIMEO/SO_SNDTIMEO 
 time left before every frame, so a blocking ``MSG_WAITALL`` read still ends in time.
 
 This module holds the pool and the verbs (batching, retry on a stale pooled connection,
-errors mapped to :class:`~kvtier.tiers.grpc_node.NodeError`); one connection's framing,
-deadlines and shared segment are :class:`~kvtier.tiers.grpc_data_conn.DataConn`.
+errors mapped to :class:`~kvtier.tiers.remote.node.NodeError`); one connection's framing,
+deadlines and shared segment are :class:`~kvtier.tiers.remote.data_conn.DataConn`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss
-from kvtier.tiers.grpc_data_conn import DataConn
-from kvtier.tiers.grpc_node import REFUSALS, NodeError, check_chunk
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     ERROR as FRAME_ERROR,
 )
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     ProtocolError,
     ShmRef,
     WireLimits,
@@ -50,8 +47,11 @@ from kvtier.wire import (
     parse_text,
     parse_welcome,
 )
-from kvtier.wire_io import send_all
-from kvtier.wire_session import GetReplyCollector
+from kvtier.protocol.session import GetReplyCollector
+from kvtier.protocol.socket_io import send_all
+from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss
+from kvtier.tiers.remote.data_conn import DataConn
+from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk
 
 T = TypeVar("T")
 _REQUEST_CODES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -78,13 +78,13 @@ class SocketDataPath:
     def connect(self, deadline: float) -> DataConn:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NodeError(TIMEOUT, True, f"data path {self.host}:{self.port}: no time left to connect")
+            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no time left to connect", down=True)
         try:
             sock = socket.create_connection((self.host, self.port), timeout=left)
         except TimeoutError:
-            raise NodeError(TIMEOUT, True, f"data path {self.host}:{self.port}: connect timed out") from None
+            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: connect timed out", down=True) from None
         except OSError as exc:
-            raise NodeError(NODE_DOWN, True, f"data path {self.host}:{self.port}: {exc}") from None
+            raise NodeError(NODE_DOWN, f"data path {self.host}:{self.port}: {exc}", down=True) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
@@ -97,7 +97,7 @@ class SocketDataPath:
             frame = conn.read(deadline)
             if frame.type == FRAME_ERROR:
                 code = _REQUEST_CODES.get(frame.header.count, "UNKNOWN")
-                raise NodeError(ERROR, True, f"data path {self.host}:{self.port}: {code}: {parse_text(frame)}", code)
+                raise NodeError(ERROR, f"data path {self.host}:{self.port}: {code}: {parse_text(frame)}", down=True, code=code)
             parse_welcome(frame)
             if self.shm and not conn.open_shm(deadline):
                 self.shm = False
@@ -111,11 +111,11 @@ class SocketDataPath:
 
     def _checkout(self, deadline: float) -> DataConn:
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise NodeError(TIMEOUT, False, f"data path {self.host}:{self.port}: no free connection in time")
+            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no free connection in time", down=False)
         with self._lock:
             if self._closed:
                 self._slots.release()
-                raise NodeError(NODE_DOWN, False, "data path closed")
+                raise NodeError(NODE_DOWN, "data path closed", down=False)
             if self._idle:
                 conn = self._idle.pop()
                 conn.reused = True
@@ -125,6 +125,12 @@ class SocketDataPath:
         except BaseException:
             self._slots.release()
             raise
+
+    def handshake(self, deadline: float) -> None:
+        """Connect and authenticate one connection now (it joins the idle pool), so that a node
+        whose data path is unusable is found at start-up rather than on the first verb.
+        Raises :class:`NodeError` as the verbs do."""
+        self._checkin(self._checkout(deadline), True)
 
     def _checkin(self, conn: DataConn, ok: bool) -> None:
         conn.targets = None
@@ -180,7 +186,7 @@ class SocketDataPath:
             try:
                 return op(*args)
             except _Stale:
-                raise NodeError(NODE_DOWN, False, f"data path {self.host}:{self.port}: connection lost") from None
+                raise NodeError(NODE_DOWN, f"data path {self.host}:{self.port}: connection lost", down=False) from None
 
     def _get(self, keys: Sequence[bytes], targets: Sequence[memoryview] | None,
              deadline: float) -> list[bytes | int | str | ShmRef]:
@@ -286,12 +292,12 @@ class _Stale(Exception):
 
 def _io_error(exc: BaseException, what: str) -> NodeError:
     if isinstance(exc, (TimeoutError, BlockingIOError)):
-        return NodeError(TIMEOUT, True, f"{what}: timed out")
+        return NodeError(TIMEOUT, f"{what}: timed out", down=True)
     if isinstance(exc, ProtocolError):
-        return NodeError(ERROR, False, f"{what}: protocol error: {exc}")
-    return NodeError(NODE_DOWN, False, f"{what}: {exc}")
+        return NodeError(ERROR, f"{what}: protocol error: {exc}", down=False)
+    return NodeError(NODE_DOWN, f"{what}: {exc}", down=False)
 
 
 def _refused(error: tuple[int, str], what: str) -> NodeError:
     code = _REQUEST_CODES.get(error[0], "UNKNOWN")
-    return NodeError(ERROR, code not in REFUSALS, f"{what}: {code}: {error[1]}", code)
+    return NodeError(ERROR, f"{what}: {code}: {error[1]}", down=code not in REFUSALS, code=code)

@@ -9,9 +9,9 @@ which on a ``discard`` mount (as here) costs as much as writing the file: so a p
 evict renames the victim's file to its temp name and overwrites those blocks in place. Files
 are not fsynced: a kill cannot tear them, and a file torn by a power loss fails its checksums.
 
-This module holds the read and write paths. Its pieces: ``disk_layout`` (file names, the
-start-up scan, the atomic publish of a file), ``disk_index`` (index, byte accounting,
-eviction; the base class), ``disk_io`` (O_DIRECT, aligned buffers, checks). Start-up rebuilds
+This module holds the read and write paths. Its pieces: ``layout`` (file names, the
+start-up scan, the atomic publish of a file), ``index`` (index, byte accounting,
+eviction; the base class), ``direct_io`` (O_DIRECT, aligned buffers, checks). Start-up rebuilds
 the index from the chunk headers (``rebuild_stats``). Every read checks header, key and
 payload checksum (``decode_chunk(verify=True)``'s checks, without decompressing); a corrupt or
 truncated file is a ``Miss("corrupt")`` and is deleted, never served.
@@ -41,11 +41,11 @@ from collections.abc import Sequence
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import DiskTierConfig
 from kvtier.errors import ChunkError
-from kvtier.tiers import disk_io as io
 from kvtier.tiers.base import CORRUPT, ERROR, EVICTED, Entry, Miss, Probe, check_keys
-from kvtier.tiers.disk_index import DiskIndex, Pending
-from kvtier.tiers.disk_io import ALIGN, align_up
-from kvtier.tiers.disk_layout import (
+from kvtier.tiers.disk import direct_io as io
+from kvtier.tiers.disk.direct_io import ALIGN, align_up
+from kvtier.tiers.disk.index import DiskIndex, Pending
+from kvtier.tiers.disk.layout import (
     NOSPACE,
     RebuildStats,
     make_shards,
@@ -221,7 +221,7 @@ class DiskTier(DiskIndex):
         return True
 
     def _write_file(self, data: memoryview, size: int, tmp: str, path: str, reused: int) -> int:
-        """:func:`disk_layout.write_file` with this tier's medium; 0 or the errno. A refusal
+        """:func:`layout.write_file` with this tier's medium; 0 or the errno. A refusal
         of O_DIRECT turns it off for this tier's later I/O."""
         err, direct = write_file(data, size, tmp, path, reused, self.direct, self._scratch, self.root)
         if not direct:

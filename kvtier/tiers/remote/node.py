@@ -19,55 +19,36 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
-from kvtier.chunk import decode_header
 from kvtier.config import GrpcTierConfig
-from kvtier.errors import ChunkError, TierUnavailableError
-from kvtier.server.gen import kvtier_pb2 as pb
-from kvtier.server.gen import kvtier_pb2_grpc as pb_grpc
-from kvtier.tiers.base import CORRUPT, ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe, copy_into
-from kvtier.wire import WireLimits, is_loopback
-
-if TYPE_CHECKING:
-    from kvtier.tiers.grpc_data import SocketDataPath
+from kvtier.errors import TierUnavailableError
+from kvtier.protocol.addresses import is_loopback
+from kvtier.protocol.frames import WireLimits
+from kvtier.protocol.gen import kvtier_pb2 as pb
+from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
+from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe, copy_into
+from kvtier.tiers.remote.data_path import SocketDataPath
+from kvtier.tiers.remote.errors import REFUSALS, REQUEST_ERRORS, NodeError, check_chunk
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bytes, memoryview)
 R = TypeVar("R")
 _DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long
 _PUT_MESSAGE_BYTES = 8 << 20  # chunks per PutRequest message, by bytes (bigger: more latency)
-# Refusals of the request, not failures of the node: the node stays up.
-_REQUEST_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
-                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-                   grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE}
-REFUSALS = frozenset(c.name for c in _REQUEST_ERRORS)
-
-
-class NodeError(Exception):
-    """A call to a node failed. ``reason`` is the miss reason to report; ``down`` whether the
-    node should be marked down (transport/timeout/auth) rather than just this request refused."""
-
-    def __init__(self, reason: str, down: bool, message: str, code: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.down = down
-        self.code = code
-
-
 def rpc_error(exc: grpc.RpcError, what: str) -> NodeError:
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     message = f"{what}: {code.name if code else '?'}: {details}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return NodeError(TIMEOUT, True, message, "DEADLINE_EXCEEDED")
-    if code in _REQUEST_ERRORS:
-        return NodeError(ERROR, False, message, code.name)
+        return NodeError(TIMEOUT, message, down=True, code="DEADLINE_EXCEEDED")
+    if code in REQUEST_ERRORS:
+        return NodeError(ERROR, message, down=False, code=code.name)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return NodeError(NODE_DOWN, True, message, code.name)
-    return NodeError(ERROR, True, message, code.name if code else "UNKNOWN")
+        return NodeError(NODE_DOWN, message, down=True, code=code.name)
+    return NodeError(ERROR, message, down=True, code=code.name if code else "UNKNOWN")
 
 
 def read_token(cfg: GrpcTierConfig) -> str:
@@ -176,7 +157,7 @@ class NodeClient:
     def _timeout(self, deadline: float) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NodeError(TIMEOUT, False, f"{self.address}: no time left before the deadline")
+            raise NodeError(TIMEOUT, f"{self.address}: no time left before the deadline", down=False)
         return left
 
     def fetch_info(self, deadline: float) -> pb.InfoReply:
@@ -205,13 +186,11 @@ class NodeClient:
         shm = "shm" in kinds and (self.cfg.data_path == "shm" or
                                   (self.cfg.data_path == "auto" and is_loopback(host)))
         tls = client_ssl_context(self.cfg) if endpoint.tls else None
-        from kvtier.tiers.grpc_data import SocketDataPath  # imports this module: import late
-
         data = SocketDataPath(host, endpoint.port, self._token, tls, self.cfg.tls_server_name or host,
                               WireLimits(self.max_chunk_bytes, self.info.max_batch_keys or 4096),
                               self.cfg.connections, shm=shm)
         try:
-            data._checkin(data._checkout(deadline), True)  # connect + handshake now: fail early
+            data.handshake(deadline)  # connect + handshake now: fail early
         except NodeError as exc:
             data.close()
             self._data_retry_at = time.monotonic() + _DATA_RETRY_S
@@ -254,7 +233,7 @@ class NodeClient:
                                        metadata=self.metadata):
                 for item in reply.items:
                     if item.index >= len(keys):
-                        raise NodeError(ERROR, True, f"{self.address}: Get reply index {item.index} out of range")
+                        raise NodeError(ERROR, f"{self.address}: Get reply index {item.index} out of range", down=True)
                     out[item.index] = (Miss(item.miss_reason or ERROR) if item.miss_reason
                                        else check_chunk(keys[item.index], item.chunk))
         except grpc.RpcError as exc:
@@ -269,7 +248,7 @@ class NodeClient:
             raise rpc_error(exc, f"{self.address} Put") from None
         stored = list(reply.stored)
         if len(stored) != len(entries):
-            raise NodeError(ERROR, True, f"{self.address}: Put replied {len(stored)} flags for {len(entries)} chunks")
+            raise NodeError(ERROR, f"{self.address}: Put replied {len(stored)} flags for {len(entries)} chunks", down=True)
         return stored
 
     # --- chunk bytes, fastest path --------------------------------------------------------------
@@ -321,16 +300,6 @@ class NodeClient:
             self.data.close()
             self.data = None
         self.channel.close()
-
-
-def check_chunk(key: bytes, chunk: B) -> B | Miss:
-    """Cheap guard on what a node returns: a chunk header (checksummed) naming ``key``.
-    The payload checksum is left to the reader that decodes the chunk."""
-    try:
-        header = decode_header(chunk)
-    except ChunkError:
-        return Miss(CORRUPT)
-    return chunk if header.key == key and header.nbytes == len(chunk) else Miss(CORRUPT)
 
 
 def _put_messages(entries: Sequence[Entry]) -> Any:

@@ -36,7 +36,7 @@ from redis.retry import Retry
 from kvtier.codec import Buf
 from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError, TierUnavailableError
-from kvtier.tiers.redis_health import F_AUTH, NodeHealth, classify
+from kvtier.tiers.redis.health import F_AUTH, NodeHealth, classify
 
 DEFAULT_PORT = 6379
 # Bytes per recv(): redis-py's 64 KiB default costs 16 syscalls and 16 parser feeds per MiB;

@@ -4,12 +4,13 @@ Two phases over the same prompt (a long shared prefix followed by a question):
 
 - cold, in this process: nothing is cached; the whole prompt is prefilled, its K/V chunks are
   saved (cpu tier, written through to a disk tier in a temporary directory), then greedy decode.
-- warm, in a *fresh* process (``python -m kvtier.cli demo --_phase warm``) sharing only that
-  directory (or a kvtier-server with ``--server``): the prefix is restored from the store, only
-  the last prompt token is prefilled, and the greedy output must equal the cold one.
+- warm, in a *fresh* process (``python -m kvtier.cli demo --_phase warm``; ``demo`` reaches the
+  CLI through this package's ``kvtier.commands`` entry point) sharing only that directory (or
+  a kvtier-server with ``--server``): the prefix is restored from the store, only the last
+  prompt token is prefilled, and the greedy output must equal the cold one.
 
-The engine is transformers with a random-weight Llama built from a config (no download); the
-connector is imported lazily (kvtier's library layers never import an engine at import time).
+The engine is transformers with a random-weight Llama built from a config (no download);
+torch and the connector are imported when a phase runs, not when this module is.
 Both phases run the same warm-up forward first so that one-off costs (thread pools, kernel
 selection) stay out of the time-to-first-token (TTFT) figures.
 """
@@ -147,9 +148,10 @@ def run_phase(opts: DemoOptions, phase: str) -> PhaseResult:
         raise ValueError("run_phase needs opts.dir (the directory the phases share)")
     t0 = time.perf_counter()
     import torch  # lazy: the engine is only needed here
+
     from kvtier_hf import KVTierHF
     from kvtier_hf.compat import ForwardKwargs, new_cache
-    from kvtier_hf.testing import PRESETS, build_random_llama, random_prompt
+    from kvtier_hf.random_llama import PRESETS, build_random_llama, random_prompt
 
     spec = PRESETS[opts.preset]
     log.info("[%s] building the random-weight Llama (%s preset, seed %d)", phase, opts.preset, spec.seed)

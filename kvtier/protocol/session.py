@@ -1,16 +1,16 @@
-"""kvtier.wire's conversation rules, sans-I/O: which frame may come when, on each side.
+"""kvtier.protocol.frames's conversation rules, sans-I/O: which frame may come when, on each side.
 
 :class:`ServerSession` checks the order of what a client sends (HELLO first, then GETs, PUT
 batches and the shared-memory handshake) and decodes each frame into a request;
 :class:`GetReplyCollector` checks the frames answering one GET. Both raise
-:class:`~kvtier.wire.ProtocolError` for anything out of place; the connection is then unusable.
+:class:`~kvtier.protocol.frames.ProtocolError` for anything out of place; the connection is then unusable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     CHUNK,
     ERROR,
     GET,

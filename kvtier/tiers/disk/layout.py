@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from kvtier.chunk import HEADER_SIZE
 from kvtier.errors import TierUnavailableError
 from kvtier.keys import KEY_BYTES
-from kvtier.tiers import disk_io as io
-from kvtier.tiers.disk_io import ALIGN
+from kvtier.tiers.disk import direct_io as io
+from kvtier.tiers.disk.direct_io import ALIGN
 
 __all__ = ["NOSPACE", "SUFFIX", "RebuildStats", "chunk_path", "make_shards", "probe_medium",
            "scan", "tmp_path", "write_file"]

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvtier.server.gen import kvtier_pb2 as kvtier_dot_v1_dot_kvtier__pb2
+from kvtier.protocol.gen import kvtier_pb2 as kvtier_dot_v1_dot_kvtier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

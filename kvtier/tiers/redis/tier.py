@@ -6,8 +6,8 @@ pipelined round trip: to the one node, or, for a cluster, one per master touched
 being split per slot/node by redis-py's ClusterPipeline (no routing code here).
 
 This module holds the verbs: key naming, TTL bookkeeping and what each reply means. Its
-pieces: ``redis_link`` (the client, start-up, one round trip per batch, failures as values),
-``redis_conn`` (URLs, client construction), ``redis_health`` (failure labels, node health).
+pieces: ``link`` (the client, start-up, one round trip per batch, failures as values),
+``conn`` (URLs, client construction), ``health`` (failure labels, node health).
 
 Failure (the remote-tier rule): refused / reset connections, timeouts, failover, MOVED/ASK,
 CLUSTERDOWN, OOM, READONLY and auth errors never raise out of a verb. A read returns
@@ -49,9 +49,9 @@ from kvtier.tiers.base import (
     TierUsage,
     check_keys,
 )
-from kvtier.tiers.redis_conn import as_value, resolve_target
-from kvtier.tiers.redis_health import F_TOO_LARGE, MEDIUM_ERRORS, Failure, classify
-from kvtier.tiers.redis_link import RedisLink
+from kvtier.tiers.redis.conn import as_value, resolve_target
+from kvtier.tiers.redis.health import F_TOO_LARGE, MEDIUM_ERRORS, Failure, classify
+from kvtier.tiers.redis.link import RedisLink
 
 _TTL_MEMORY = 65536     # keys whose TTL deadline is remembered (to label misses "expired")
 
@@ -74,7 +74,7 @@ class RedisTier(TierBase):
     # --- public extras ---------------------------------------------------------------------
     @property
     def failures(self) -> dict[str, int]:
-        """Failed keys per label since start (see redis_health.FAILURE_LABELS)."""
+        """Failed keys per label since start (see kvtier.tiers.redis.health.FAILURE_LABELS)."""
         return self._link.failures.snapshot()
 
     def down_nodes(self) -> list[str]:

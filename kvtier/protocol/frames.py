@@ -39,7 +39,6 @@ Every decoding problem raises :class:`ProtocolError`; nothing else escapes a par
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import struct
 from collections.abc import Callable, Sequence
@@ -388,13 +387,3 @@ def parse_put_reply(frame: Frame, expected: int) -> list[bool]:
     if frame.header.count != expected or frame.body.nbytes != expected:
         raise ProtocolError(f"PUT_REPLY for {frame.header.count} items, expected {expected}")
     return [b != 0 for b in frame.body]
-
-
-def is_loopback(host: str) -> bool:
-    """True for a host that can only be this machine (where shared memory and clear text are safe)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # any other host name may resolve anywhere

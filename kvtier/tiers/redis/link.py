@@ -1,14 +1,14 @@
 """The redis tier's link to Redis: the redis-py client (one node or a cluster), its start-up,
 the re-prober's ping, and one pipelined round trip per batch with every failure as a value.
 
-:class:`RedisLink` owns the client, the per-node :class:`~kvtier.tiers.redis_health.NodeHealth`
-and the per-label :class:`~kvtier.tiers.redis_health.FailureLog`; the tier
+:class:`RedisLink` owns the client, the per-node :class:`~kvtier.tiers.redis.health.NodeHealth`
+and the per-label :class:`~kvtier.tiers.redis.health.FailureLog`; the tier
 (``kvtier.tiers.redis``) owns key naming, TTL bookkeeping and what a reply means for a verb.
 Routing is redis-py's: a single node gets one pipeline, a cluster one ClusterPipeline whose
 batch redis-py splits per slot/node; commands whose master is down are not sent.
 
 Failure: :meth:`RedisLink.single` and :meth:`RedisLink.cluster` never raise for the medium;
-they return a :class:`~kvtier.tiers.redis_health.Failure` (counted, logged at most once per
+they return a :class:`~kvtier.tiers.redis.health.Failure` (counted, logged at most once per
 label per 10 s, and the node marked down when the failure is at the connection level). Start-up
 raises :class:`~kvtier.errors.TierUnavailableError` for bad credentials, a TLS mismatch or (unless
 ``lazy_connect``) an unreachable Redis.
@@ -30,8 +30,8 @@ from redis.exceptions import MovedError
 from kvtier.config import RedisTierConfig
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import NODE_DOWN
-from kvtier.tiers.redis_conn import RedisTarget, build_cluster, build_single, misconfiguration
-from kvtier.tiers.redis_health import (
+from kvtier.tiers.redis.conn import RedisTarget, build_cluster, build_single, misconfiguration
+from kvtier.tiers.redis.health import (
     F_CLUSTER_DOWN,
     F_MOVED,
     F_NODE_DOWN,

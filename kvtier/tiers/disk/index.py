@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 import time
 
-from kvtier.policy import NothingToEvict, make_policy
-from kvtier.tiers import disk_io as io
+from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.base import BoundedTier, Miss
-from kvtier.tiers.disk_layout import RebuildStats, chunk_path, scan
+from kvtier.tiers.disk import direct_io as io
+from kvtier.tiers.disk.layout import RebuildStats, chunk_path, scan
 
 __all__ = ["DiskIndex", "Pending"]
 
@@ -82,7 +82,7 @@ class DiskIndex(BoundedTier):
         """Take the policy's victim out of the index: (key, file size), or None when nothing
         can be evicted. The caller decides the file's fate (unlink or reuse)."""
         try:
-            victim = self.policy.evict()
+            victim = self._pick_victim()
         except NothingToEvict:
             return None
         if self.evict_listener is not None:

@@ -1,13 +1,13 @@
 """One data-port connection of the grpc tier's fast path: framing on the socket, deadlines,
 and the shared-memory segment it may map.
 
-:class:`DataConn` reads kvtier.wire frames (chunk bodies straight into the caller's buffers
+:class:`DataConn` reads kvtier.protocol.frames frames (chunk bodies straight into the caller's buffers
 when ``targets`` is set, else into fresh ``bytes`` with one ``MSG_WAITALL`` recv on plain
 TCP), bounds every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain
 TCP, ``settimeout`` under TLS), and maps the server's /dev/shm segment when asked to.
 
 Ownership and threads: a connection belongs to one request at a time (the pool in
-``kvtier.tiers.grpc_data`` hands it out and takes it back); nothing here locks. Failure:
+``kvtier.tiers.remote.data_path`` hands it out and takes it back); nothing here locks. Failure:
 ``OSError``/``ssl.SSLError``/``ProtocolError`` propagate (the pool closes the connection and
 maps them to a node error); ``ValueError`` when a caller's buffer is too small.
 """
@@ -24,7 +24,7 @@ import struct
 import time
 from collections.abc import Sequence
 
-from kvtier.wire import (
+from kvtier.protocol.frames import (
     CHUNK,
     SHM_READY,
     Frame,
@@ -36,12 +36,12 @@ from kvtier.wire import (
     encode_shm_open,
     parse_shm_ready,
 )
-from kvtier.wire_io import read_frame, send_all
+from kvtier.protocol.socket_io import read_frame, send_all
 
 __all__ = ["DataConn"]
 
 # The data path's logger: these lines are the data path's, whichever module emits them.
-log = logging.getLogger("kvtier.tiers.grpc_data")
+log = logging.getLogger("kvtier.tiers.remote.data_path")
 _REARM_S = 0.01
 _SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^kvtier-[0-9]+-[0-9a-f]{24}$")
@@ -49,7 +49,7 @@ _SHM_NAME = re.compile(r"^kvtier-[0-9]+-[0-9a-f]{24}$")
 
 class DataConn:
     """One data connection: its socket, frame reader, deadlines and mapped segment. Used by
-    one request at a time (the pool in ``kvtier.tiers.grpc_data`` checks it out); socket and
+    one request at a time (the pool in ``kvtier.tiers.remote.data_path`` checks it out); socket and
     protocol errors propagate to the caller, which closes the connection."""
 
     def __init__(self, sock: socket.socket, limits: WireLimits) -> None:

@@ -1,0 +1,45 @@
+"""How a call to a kvtier-server node fails, shared by the node client and its data path.
+
+A leaf module (it imports nothing of the remote tier), so that ``node`` and ``data_path`` both
+import it and not each other.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import grpc
+
+from kvtier.chunk import decode_header
+from kvtier.errors import ChunkError
+from kvtier.tiers.base import CORRUPT, Miss
+
+B = TypeVar("B", bytes, memoryview)
+
+# Refusals of the request, not failures of the node: the node stays up.
+REQUEST_ERRORS = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE})
+REFUSALS = frozenset(c.name for c in REQUEST_ERRORS)
+
+
+class NodeError(Exception):
+    """A call to a node failed. ``reason`` is the miss reason to report; ``down`` says whether
+    the node itself failed (transport, timeout, auth: mark it down) rather than only this
+    request being refused; ``code`` is the gRPC status name where there is one."""
+
+    def __init__(self, reason: str, message: str, *, down: bool, code: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.down = down
+        self.code = code
+
+
+def check_chunk(key: bytes, chunk: B) -> B | Miss:
+    """Cheap guard on what a node returns: a chunk header (checksummed) naming ``key``.
+    The payload checksum is left to the reader that decodes the chunk."""
+    try:
+        header = decode_header(chunk)
+    except ChunkError:
+        return Miss(CORRUPT)
+    return chunk if header.key == key and header.nbytes == len(chunk) else Miss(CORRUPT)
