@@ -10,29 +10,36 @@ Why adaptive. Two rules each win on one kind of workload and lose on another
   throws them away and loses to LRU (by ~8% at 10-40% capacity on the generated chat trace).
 - *Recency* (LRU order, leaf first) is right for chat and agents, wrong for the shared trace.
 
-So, as in ARC (Megiddo and Modha, FAST '03), keys live in two sets: **T1** (seen once) and
-**T2** (seen twice or more, counting history kept after eviction), and a target ``p`` says how
-many keys T1 may hold before it is evicted first:
+So, as in ARC (Megiddo and Modha, FAST '03), the policy learns from its own mistakes how much
+room to give once-seen keys. Keys live in three sets:
+
+- **fresh**: seen once, and its request shared no tracked prefix (its parent is untracked or
+  itself fresh): a one-shot prompt, a scan, the first request of a new document;
+- **continuation**: seen once, extending a prefix that was re-used or itself a continuation:
+  the newest turn of a chat, an agent's newest step, a new question after a shared prompt;
+- **re-used** (T2): seen twice or more, counting history kept after eviction.
 
 1. **Leaf first.** Only a key with no tracked, unpinned child is a candidate (a prefix is
    trimmed from its tail, so what is left of it still hits); each set keeps its candidates in
-   a heap ordered by rank (T1: last use; T2: last use moved back by ``beta`` times the mean
-   reuse gap, so a key reused rarely goes before one reused often).
-2. **Victim.** While T1 holds more than ``p`` keys, T1's lowest candidate goes; otherwise the
-   lower of the two heaps' tops goes (plain recency between the sets). ``p = 0`` is
-   once-seen-first, ``p >= len`` is leaf-first recency.
-3. **Adaptation.** An evicted key leaves a ghost (its history and which set it left). If it
-   is inserted again within ``len`` evictions (it would have hit in a cache twice the size),
-   the set it left was too small: a T1 ghost raises ``p``, a T2 ghost lowers it, by
-   ``max(1, len / step_div)`` keys times ARC's balance factor (the other set's share of recent
-   evictions over this set's, at least 1: a regret from the set that is evicted from rarely
-   weighs more). ``p`` starts at 0 (once-seen first) and stays in ``[0, len]``; slow steps
-   (``step_div`` 1024) keep it from chasing noise.
+   a heap ordered by rank (once-seen: last use; re-used: last use moved back by ``beta``
+   times the mean reuse gap, so a key reused rarely goes before one reused often).
+2. **Victim.** While the fresh set holds more than ``q`` keys, its lowest candidate goes;
+   else while the continuation set holds more than ``p``, its lowest goes; otherwise the
+   lowest of the three heaps' tops (recency between the sets). ``p = q = 0`` is
+   once-seen-first (the ``prefix`` policy's rule); ``p, q >= len`` is leaf-first recency.
+3. **Adaptation.** An evicted key leaves a ghost (its history and the set it left). If it is
+   inserted again within ``len`` evictions (it would have hit in a cache twice the size), the
+   set it left was too small: a fresh ghost raises ``q``, a continuation ghost raises ``p``,
+   a re-used ghost lowers both. Steps are ``max(1, len / step_div)`` keys for ``p`` and
+   ``max(1, len / fresh_step_div)`` for ``q``, times ARC's balance factor (the other sets'
+   share of recent evictions over this set's, at least 1: a regret from a set that is rarely
+   evicted from weighs more). Both start at 0 and stay in ``[0, len]``.
 4. **History outlives residency.** Ghosts are a FIFO of ``ghost_factor`` times the tracked
-   keys (at most ``ghost_max``): a key read again after a long gap comes back as re-used (T2).
+   keys (at most ``ghost_max``): a key read again after a long gap comes back as re-used.
 
-Scan resistance: a scan is once-seen keys that never return, so it raises no regret; it fills
-T1, and once T1 is over ``p`` the scan evicts itself.
+Scan resistance: a scan is fresh keys that never return, so it raises no regret and leaves
+``q`` where it was; once the fresh set is over ``q`` the scan evicts itself, costing the
+working set at most ``q`` keys (``tests/test_policy_adaptive.py`` measures it against LRU).
 
 ``size`` is ignored when ranking (a chunk's recompute cost grows with its size). The clock is
 logical (one tick per insert or access). Known limits, as for ``prefix``: a re-insert of a
@@ -49,25 +56,33 @@ from collections import OrderedDict
 from kvtier.policies.base import NothingToEvict
 
 DEFAULT_BETA = 0.25
-#: Regrets for ``p`` to cross its whole range (before the balance factor of rule 3). Chosen
-#: from 64-2048 on the generated workloads (seed 0) and the first half of the shared trace;
-#: fast adaptation (64) chases noise there and loses the once-seen-first gain.
-DEFAULT_STEP_DIV = 1024.0
+#: Regrets for ``p`` (continuation set) and ``q`` (fresh set) to cross their whole range,
+#: before the balance factor of rule 3. Chosen among 64-2048 on the generated workloads
+#: (seed 0) and the first half of the shared trace: ``q`` must move slowly (64 chases noise
+#: there and loses the once-seen-first gain), ``p`` may move fast (chat wants recency soon).
+DEFAULT_STEP_DIV = 64.0
+DEFAULT_FRESH_STEP_DIV = 1024.0
 DEFAULT_GHOST_FACTOR = 8.0
 DEFAULT_GHOST_MAX = 1 << 20
 _GHOST_MIN = 1024
-_T1, _T2 = 0, 1
+_FRESH, _CONT, _T2 = 0, 1, 2  # the sets: once-seen fresh, once-seen continuation, re-used
 _REMOVED = -1  # ghost origin of a key the user removed: its return is no regret
+
+
+def _balance(others: float, mine: float) -> float:
+    """ARC's step factor: a regret from a set that is evicted from rarely weighs more."""
+    return max(1.0, others / mine) if mine > 0 else 1.0
 
 
 class _Node:
     """One tracked key. ``seq`` names its live heap entry (-1: not a candidate) and ``queued``
     the rank that entry carries; ``rank`` may have grown since (see ``AdaptivePolicy._top``)."""
 
-    __slots__ = ("count", "first", "last", "parent", "queued", "rank", "seq")
+    __slots__ = ("count", "first", "kind", "last", "parent", "queued", "rank", "seq")
 
-    def __init__(self, parent: bytes, first: int, last: int, count: int) -> None:
+    def __init__(self, parent: bytes, first: int, last: int, count: int, kind: int) -> None:
         self.parent = parent
+        self.kind = kind
         self.first = first
         self.last = last
         self.count = count
@@ -82,14 +97,16 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, *, beta: float = DEFAULT_BETA, step_div: float = DEFAULT_STEP_DIV,
+                 fresh_step_div: float = DEFAULT_FRESH_STEP_DIV,
                  ghost_factor: float = DEFAULT_GHOST_FACTOR,
                  ghost_max: int = DEFAULT_GHOST_MAX) -> None:
-        if beta < 0 or step_div <= 0 or ghost_factor < 0 or ghost_max < 0:
-            raise ValueError("AdaptivePolicy: beta, ghost_factor, ghost_max must be >= 0 "
-                             "and step_div > 0")
+        if beta < 0 or min(step_div, fresh_step_div) <= 0 or ghost_factor < 0 or ghost_max < 0:
+            raise ValueError("AdaptivePolicy: beta, ghost_factor, ghost_max must be >= 0, "
+                             "step_div and fresh_step_div > 0")
         self._beta = beta
         self._step_div = step_div
-        self._recent = [0.0, 0.0]  # evictions from T1, T2 among about the last len ones
+        self._fresh_step_div = fresh_step_div
+        self._recent = [0.0, 0.0, 0.0]  # evictions per set among about the last len ones
         self._ghost_factor = ghost_factor
         self._ghost_max = ghost_max
         self._nodes: dict[bytes, _Node] = {}
@@ -98,23 +115,29 @@ class AdaptivePolicy:
         self._kids: dict[bytes, int] = {}
         self._pinned: set[bytes] = set()
         # One candidate heap per set: (rank, seq, key); stale entries are skipped lazily.
-        self._heaps: tuple[list[tuple[float, int, bytes]], list[tuple[float, int, bytes]]] = ([], [])
+        self._heaps: list[list[tuple[float, int, bytes]]] = [[], [], []]
         # key -> (first use, uses, set it left or _REMOVED, eviction number when it left)
         self._ghost: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()
-        self._n1 = 0  # tracked keys in T1 (pinned and interior ones included)
-        self._p = 0.0  # target size of T1
+        self._n = [0, 0, 0]  # tracked keys per set (pinned and interior ones included)
+        self._p = 0.0  # target size of the continuation set
+        self._q = 0.0  # target size of the fresh set
         self._clock = 0
         self._seq = 0
         self._evictions = 0
 
     @property
     def target(self) -> float:
-        """``p``: how many once-seen keys may be kept before they are evicted first."""
+        """``p``: how many once-seen continuation keys may be kept before they go first."""
         return self._p
+
+    @property
+    def fresh_target(self) -> float:
+        """``q``: how many once-seen fresh keys may be kept before they go first."""
+        return self._q
 
     # --- ranking and the candidate heaps ---------------------------------------------------
     def _rank(self, n: _Node) -> float:
-        if n.count < 2:
+        if n.kind != _T2:
             return float(n.last)
         return n.last - self._beta * (n.last - n.first) / (n.count - 1)
 
@@ -123,13 +146,12 @@ class AdaptivePolicy:
         self._seq += 1
         n.seq = self._seq
         n.queued = n.rank
-        heap = self._heaps[n.count >= 2]
+        heap = self._heaps[n.kind]
         heapq.heappush(heap, (n.rank, n.seq, key))
         if len(heap) > 2 * len(self._nodes) + 64:
             # Stale entries pile up only without evictions to pop them; rebuild this heap.
-            t2 = n.count >= 2
             heap[:] = [(m.queued, m.seq, k) for k, m in self._nodes.items()
-                       if m.seq >= 0 and (m.count >= 2) == t2]
+                       if m.seq >= 0 and m.kind == n.kind]
             heapq.heapify(heap)
 
     def _top(self, heap: list[tuple[float, int, bytes]]) -> tuple[float, int, bytes] | None:
@@ -169,15 +191,15 @@ class AdaptivePolicy:
         if origin == _REMOVED or self._evictions - evicted_at > size:
             return  # removed by the user, or gone too long for a bigger set to have kept it
         step = max(1.0, size / self._step_div)
-        r1, r2 = self._recent
-        if origin == _T1:
-            if r1 > 0:
-                step *= max(1.0, r2 / r1)
-            self._p = min(float(size), self._p + step)
+        fresh_step = max(1.0, size / self._fresh_step_div)
+        r = self._recent
+        if origin == _T2:
+            self._p = max(0.0, self._p - step * _balance(r[_CONT], r[_T2]))
+            self._q = max(0.0, self._q - fresh_step * _balance(r[_FRESH], r[_T2]))
+        elif origin == _CONT:
+            self._p = min(float(size), self._p + step * _balance(r[_FRESH] + r[_T2], r[_CONT]))
         else:
-            if r2 > 0:
-                step *= max(1.0, r1 / r2)
-            self._p = max(0.0, self._p - step)
+            self._q = min(float(size), self._q + fresh_step * _balance(r[_CONT] + r[_T2], r[_FRESH]))
 
     # --- the contract ----------------------------------------------------------------------
     def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
@@ -188,14 +210,15 @@ class AdaptivePolicy:
         parent = parent if parent != key else b""
         past = self._ghost.pop(key, None)
         if past is None:
-            node = _Node(parent, self._clock, self._clock, 1)
+            pn = self._nodes.get(parent) if parent else None
+            kind = _CONT if pn is not None and pn.kind != _FRESH else _FRESH
+            node = _Node(parent, self._clock, self._clock, 1, kind)
         else:
-            node = _Node(parent, past[0], self._clock, past[1] + 1)
+            node = _Node(parent, past[0], self._clock, past[1] + 1, _T2)
             self._adapt(past[2], past[3])
         node.rank = self._rank(node)
         self._nodes[key] = node
-        if node.count < 2:
-            self._n1 += 1
+        self._n[node.kind] += 1
         if key not in self._pinned:
             if parent:
                 self._child_added(parent)
@@ -209,9 +232,11 @@ class AdaptivePolicy:
         self._clock += 1
         node.last = self._clock
         node.count += 1
-        moved = node.count == 2  # T1 -> T2: its T1 entry goes stale, it needs a T2 entry
+        moved = node.kind != _T2  # once-seen -> T2: its old entry goes stale, it needs a new one
         if moved:
-            self._n1 -= 1
+            self._n[node.kind] -= 1
+            self._n[_T2] += 1
+            node.kind = _T2
         node.rank = self._rank(node)
         # Within a set a touch raises the rank (beta < 2): the queued entry stays and is
         # re-queued lazily when it reaches the top, so a hot key costs no push per read.
@@ -229,29 +254,32 @@ class AdaptivePolicy:
     def _forget(self, key: bytes, node: _Node, origin: int) -> None:
         """Bookkeeping for a key that stopped being tracked; its history goes to the ghost."""
         node.seq = -1
-        if node.count < 2:
-            self._n1 -= 1
+        self._n[node.kind] -= 1
         if node.parent and key not in self._pinned:
             self._child_gone(node.parent)
         ghost = self._ghost
-        ghost[key] = (node.first, node.count, origin, self._evictions)
+        ghost[key] = (node.first, node.count, node.kind if origin != _REMOVED else _REMOVED,
+                      self._evictions)
         limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * len(self._nodes))))
         while len(ghost) > limit:
             ghost.popitem(last=False)
-        if self._p > len(self._nodes):
-            self._p = float(len(self._nodes))
+        size = float(len(self._nodes))
+        self._p = min(self._p, size)
+        self._q = min(self._q, size)
 
     def evict(self) -> bytes:
-        top1 = self._top(self._heaps[_T1])
-        top2 = self._top(self._heaps[_T2])
-        if top1 is not None and (top2 is None or self._n1 > self._p or top1[0] <= top2[0]):
-            origin, entry = _T1, top1
-        elif top2 is not None:
-            origin, entry = _T2, top2
+        tops = [self._top(heap) for heap in self._heaps]
+        n = self._n
+        if tops[_FRESH] is not None and n[_FRESH] > self._q:
+            origin = _FRESH
+        elif tops[_CONT] is not None and n[_CONT] > self._p:
+            origin = _CONT
         else:
-            return self._evict_without_leaf()
-        key = entry[2]
-        heapq.heappop(self._heaps[origin])
+            live = [(top[0], kind) for kind, top in enumerate(tops) if top is not None]
+            if not live:
+                return self._evict_without_leaf()
+            origin = min(live)[1]  # recency between the sets' tops (ties: fresh first)
+        key = heapq.heappop(self._heaps[origin])[2]
         node = self._nodes.pop(key)
         self._count_eviction(origin)
         self._forget(key, node, origin)
@@ -261,8 +289,8 @@ class AdaptivePolicy:
         self._evictions += 1
         keep = 1.0 - 1.0 / (len(self._nodes) + 1)
         recent = self._recent
-        recent[_T1] *= keep
-        recent[_T2] *= keep
+        for kind in (_FRESH, _CONT, _T2):
+            recent[kind] *= keep
         recent[origin] += 1.0
 
     def _evict_without_leaf(self) -> bytes:
@@ -270,9 +298,8 @@ class AdaptivePolicy:
         for key in self._nodes:
             if key not in self._pinned:
                 node = self._nodes.pop(key)
-                origin = _T2 if node.count >= 2 else _T1
-                self._count_eviction(origin)
-                self._forget(key, node, origin)
+                self._count_eviction(node.kind)
+                self._forget(key, node, node.kind)
                 return key
         raise NothingToEvict("every tracked key is pinned")
 
