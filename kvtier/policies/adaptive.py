@@ -260,26 +260,31 @@ class AdaptivePolicy:
         ghost = self._ghost
         ghost[key] = (node.first, node.count, node.kind if origin != _REMOVED else _REMOVED,
                       self._evictions)
-        limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * len(self._nodes))))
+        size = len(self._nodes)
+        limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * size)))
         while len(ghost) > limit:
             ghost.popitem(last=False)
-        size = float(len(self._nodes))
-        self._p = min(self._p, size)
-        self._q = min(self._q, size)
+        if self._p > size:
+            self._p = float(size)
+        if self._q > size:
+            self._q = float(size)
 
     def evict(self) -> bytes:
-        tops = [self._top(heap) for heap in self._heaps]
-        n = self._n
-        if tops[_FRESH] is not None and n[_FRESH] > self._q:
+        top, heaps, n = self._top, self._heaps, self._n
+        fresh, cont, reused = top(heaps[_FRESH]), top(heaps[_CONT]), top(heaps[_T2])
+        if fresh is not None and n[_FRESH] > self._q:
             origin = _FRESH
-        elif tops[_CONT] is not None and n[_CONT] > self._p:
+        elif cont is not None and n[_CONT] > self._p:
             origin = _CONT
         else:
-            live = [(top[0], kind) for kind, top in enumerate(tops) if top is not None]
-            if not live:
+            # Recency between the sets' tops (ties: fresh, then continuation, then re-used).
+            origin, best = -1, 0.0
+            for kind, entry in ((_FRESH, fresh), (_CONT, cont), (_T2, reused)):
+                if entry is not None and (origin < 0 or entry[0] < best):
+                    origin, best = kind, entry[0]
+            if origin < 0:
                 return self._evict_without_leaf()
-            origin = min(live)[1]  # recency between the sets' tops (ties: fresh first)
-        key = heapq.heappop(self._heaps[origin])[2]
+        key = heapq.heappop(heaps[origin])[2]
         node = self._nodes.pop(key)
         self._count_eviction(origin)
         self._forget(key, node, origin)
@@ -289,8 +294,9 @@ class AdaptivePolicy:
         self._evictions += 1
         keep = 1.0 - 1.0 / (len(self._nodes) + 1)
         recent = self._recent
-        for kind in (_FRESH, _CONT, _T2):
-            recent[kind] *= keep
+        recent[0] *= keep
+        recent[1] *= keep
+        recent[2] *= keep
         recent[origin] += 1.0
 
     def _evict_without_leaf(self) -> bytes:
