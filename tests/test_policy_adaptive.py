@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.tiers.base import Entry
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk.tier import DiskTier
+from tests.contract import chunk_for, key_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import workloads  # noqa: E402
@@ -241,3 +247,39 @@ def test_scan_in_the_middle_of_chat_costs_less_than_half_of_lrus_cost(seed: int,
         cost[name] = clean - scanned
     assert cost["lru"] > 100, f"the scan must cost LRU hits, or the test proves nothing: {cost}"
     assert cost[DEFAULT_POLICY] < 0.5 * cost["lru"], cost
+
+
+# --- the same policy in the real tiers: cpu arena and disk, default config -------------------
+def _tier(kind: str, tmp_path: Path) -> Any:
+    if kind == "cpu":
+        # 340 KiB slots: a 1 MiB arena holds 3 of the ~288 KiB chunks below.
+        return CpuTier(CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=340 << 10))
+    # 1 MiB of files: 3 chunks (+ headers) fit, 4 do not.
+    return DiskTier(DiskTierConfig(enabled=True, path=str(tmp_path / "disk"), capacity_bytes=1 << 20,
+                                   o_direct=False))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_tiers_evict_by_the_default_policy(kind: str, tmp_path: Path) -> None:
+    tier = _tier(kind, tmp_path)
+    try:
+        assert isinstance(tier.policy, AdaptivePolicy)
+        keys = {name: key_of(f"adaptive/{name}") for name in ("sys", "t1", "f", "g", "h", "u")}
+
+        def put(name: str, parent: str = "", depth: int = 0) -> None:
+            key = keys[name]
+            entry = Entry(key, chunk_for(key, tokens=2304), depth, keys[parent] if parent else b"")
+            assert tier.put([entry]) == [True]
+
+        put("sys")
+        assert tier.get([keys["sys"]])[0] == chunk_for(keys["sys"], tokens=2304)  # re-used
+        put("t1", "sys", 1)  # continuation of a re-used prefix
+        put("f")  # fresh; the tier is full (3 chunks)
+        put("g")  # evicts f: fresh first (LRU would evict sys, the least recently used)
+        put("h")  # evicts g
+        put("u", "t1", 2)  # evicts h
+        present = {name for name, key in keys.items() if tier.contains([key]) == 1}
+        assert present == {"sys", "t1", "u"}
+        assert tier.usage().evictions == 3
+    finally:
+        tier.close()
