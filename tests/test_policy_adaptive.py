@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, LRUPolicy, make_policy
 from kvtier.config import CpuTierConfig, DiskTierConfig
+from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, LRUPolicy, make_policy
 from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.tiers.base import Entry
 from kvtier.tiers.cpu import CpuTier
