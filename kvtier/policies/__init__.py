@@ -5,9 +5,13 @@ a pinned key is never chosen as a victim (hot system prompts). The full contract
 :mod:`kvtier.policies.base`; this package's root is the registry every tier builds its policy
 from, and each policy has a module of its own.
 
-Policies (hit ratios on the replayed Mooncake trace: ``python bench/replay.py``):
-- ``prefix`` (default): prefix-aware, leaf-first, ranked by recency and mean reuse gap, with a
-  ghost history (:mod:`kvtier.policies.prefix`).
+Policies (hit ratios on the replayed Mooncake trace and generated workloads:
+``python bench/replay.py --workload all``):
+- ``adaptive`` (default): prefix-aware, leaf-first, adapting ARC-style between
+  once-seen-first and recency (:mod:`kvtier.policies.adaptive`).
+- ``prefix``: prefix-aware, leaf-first, once-seen first, ranked by recency and mean reuse gap,
+  with a ghost history (:mod:`kvtier.policies.prefix`); wins on the shared trace, loses to LRU
+  on chat.
 - ``s3fifo``: S3-FIFO (:mod:`kvtier.policies.s3fifo`).
 - ``lru``: least recently used, the baseline every other policy is measured against
   (:mod:`kvtier.policies.lru`).
@@ -17,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.base import EvictionPolicy, NothingToEvict
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.prefix import PrefixPolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy
 
 __all__ = [
-    "DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
+    "DEFAULT_POLICY", "AdaptivePolicy", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
     "PrefixPolicy", "S3FIFOPolicy", "make_policy",
 ]
 
@@ -32,8 +37,9 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
     "prefix": PrefixPolicy,
+    "adaptive": AdaptivePolicy,
 }
-DEFAULT_POLICY = "prefix"
+DEFAULT_POLICY = "adaptive"
 
 
 def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:

@@ -1,4 +1,8 @@
-"""Prefix-aware reuse-interval eviction (``"prefix"``), the default policy.
+"""Prefix-aware reuse-interval eviction (``"prefix"``): once-seen first, then reuse gaps.
+
+The default, :mod:`kvtier.policies.adaptive`, falls back to these rules where they pay and to
+recency where they do not (in a chat, the newest turn is once-seen until the next turn reads
+it, and once-seen-first evicts it: ``bench/replay.py --workload chat``).
 
 Why not LRU. A lookup counts only the *leading* run of chunk hits, so a chunk is worth keeping
 only while its whole prefix is kept, and the deepest chunk of a prefix is the one to give up
