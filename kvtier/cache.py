@@ -120,10 +120,22 @@ class PrefixCache:
         every chunk; the first bad one is deleted from every tier (so it is recomputed and saved
         again), counted, and ends the run. Never raises for store trouble."""
         res = self.store.load(keys)
+        return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
+
+    def load_verified_into(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]],
+                           outs: Sequence[memoryview], first_index: int = 0) -> VerifiedRun:
+        """:meth:`load_verified` into caller-owned buffers (one per key, each large enough for
+        its chunk; page-aligned for O_DIRECT reads): the payloads returned are views of
+        ``outs``, valid while the caller leaves those buffers alone."""
+        res = self.store.load_into(keys, outs)
+        return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
+
+    def _verify(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]], chunks: Sequence[Buf],
+                sources: Sequence[str], reason: str, first_index: int) -> VerifiedRun:
         payloads: list[Buf] = []
         shapes: list[Shape] = []
-        reason, nbytes = res.reason, 0
-        for i, data in enumerate(res.chunks):
+        nbytes = 0
+        for i, data in enumerate(chunks):
             start, end = spans[i]
             shape = self.spec.layout.chunk_shape(end - start)
             try:
@@ -139,7 +151,7 @@ class PrefixCache:
             shapes.append(shape)
             nbytes += len(data)
         per_tier: dict[str, int] = {}
-        for name in res.sources[: len(payloads)]:
+        for name in sources[: len(payloads)]:
             per_tier[name] = per_tier.get(name, 0) + 1
         return VerifiedRun(payloads, shapes, per_tier,
                            reason if len(payloads) < len(keys) else ABSENT, nbytes)

@@ -83,6 +83,22 @@ class NamespaceSpec:
         return namespace_id(self)
 
 
+ChainFn = Callable[[bytes, "bytes | memoryview", int, int], list[bytes]]
+
+
+def _load_c_chain() -> ChainFn | None:
+    """The optional C loop of the sha256 chain (kvtier/_chain.c): the same keys, without the
+    per-chunk interpreter work. None where it was not built."""
+    try:
+        from kvtier._chain import chain_sha256
+    except ImportError:
+        return None
+    return chain_sha256
+
+
+C_CHAIN_SHA256 = _load_c_chain()
+
+
 def _hasher(hash_name: str) -> Callable[[bytes], bytes]:
     if hash_name == "sha256":
         return lambda data: hashlib.sha256(data).digest()
@@ -128,8 +144,9 @@ def namespace_id(spec: NamespaceSpec) -> bytes:
     return _hasher(spec.hash_name)(b"".join(namespace_fields(spec)))
 
 
-def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    """uint32 little-endian encoding; raises ValueError on ids outside [0, 2**32)."""
+def _token_view(tokens: Sequence[int] | np.ndarray) -> memoryview:
+    """The uint32 little-endian encoding as a byte view (no copy when ``tokens`` already is a
+    contiguous little-endian uint32 array); raises ValueError on ids outside [0, 2**32)."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
@@ -138,7 +155,12 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
             raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
         if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
             raise ValueError("token ids must be in [0, 2**32)")
-    return arr.astype("<u4", copy=False).tobytes()
+    return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """uint32 little-endian encoding; raises ValueError on ids outside [0, 2**32)."""
+    return _token_view(tokens).tobytes()
 
 
 def chunk_keys(
@@ -153,10 +175,18 @@ def chunk_keys(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if len(namespace) != KEY_BYTES:
         raise ValueError(f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
-    h = _hasher(hash_name)
-    raw = tokens_to_bytes(tokens)
+    raw = _token_view(tokens)
     step = 4 * chunk_tokens
     end = len(raw) if include_partial else len(raw) - len(raw) % step
+    if hash_name == "sha256" and C_CHAIN_SHA256 is not None:
+        return C_CHAIN_SHA256(namespace, raw, step, end)
+    return chain_python(namespace, raw, step, end, hash_name)
+
+
+def chain_python(namespace: bytes, raw: bytes | memoryview, step: int, end: int, hash_name: str = "sha256") -> list[bytes]:
+    """The chain over ``raw[:end]`` in ``step``-byte pieces, in Python (any hash); the C loop
+    must agree with it byte for byte (tests/test_keys.py)."""
+    h = _hasher(hash_name)
     keys: list[bytes] = []
     prev = namespace
     for off in range(0, end, step):

@@ -21,9 +21,10 @@ import queue
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.codec import Buf
 from kvtier.config import KVTierConfig, StoreConfig
 from kvtier.metrics import Metrics
 from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier
@@ -56,6 +57,22 @@ class LoadResult:
     """The leading run of chunk bytes; ``sources[i]`` names the tier that served chunk i."""
 
     chunks: list[bytes]
+    sources: list[str] = field(default_factory=list)
+    reason: str = ABSENT
+
+    @property
+    def per_tier(self) -> dict[str, int]:
+        return dict(Tally(self.sources))
+
+
+@dataclass(frozen=True)
+class LoadIntoResult:
+    """The leading run :meth:`TieredStore.load_into` wrote: ``chunks[i]`` is a view of the
+    caller's ``outs[i]`` trimmed to chunk i's length (or, for a stored chunk too large for its
+    buffer, a ``bytes`` copy for the caller's verification to refuse); ``sources[i]`` names the
+    tier that served it."""
+
+    chunks: list[Buf]
     sources: list[str] = field(default_factory=list)
     reason: str = ABSENT
 
@@ -121,32 +138,75 @@ class TieredStore:
         """The leading run of chunk bytes for ``keys`` (shorter when a chunk is missing)."""
         t0 = time.perf_counter()
         found: list[bytes | None] = [None] * len(keys)
-        source: list[int] = [-1] * len(keys)
-        reason = ABSENT
-        for level, tier in enumerate(self.tiers):
-            want = [i for i in range(len(keys)) if found[i] is None]
-            # Only the part before the first gap that no earlier tier filled can extend the run.
-            if not want:
-                break
+
+        def fetch(tier: Tier, want: list[int]) -> list[int | Miss]:
             values = tier.get([keys[i] for i in want])
             for i, value in zip(want, values):
-                if isinstance(value, Miss):
-                    if _REASON_RANK.get(value.reason, 2) > _REASON_RANK.get(reason, 2):
-                        reason = value.reason
-                    continue
-                found[i], source[i] = value, level
-                self.metrics.bytes_read.labels(tier.name).inc(len(value))
-        run: list[bytes] = []
-        for chunk in found:
-            if chunk is None:
-                break
-            run.append(chunk)
-        sources = [self.tiers[source[i]].name for i in range(len(run))]
+                if not isinstance(value, Miss):
+                    found[i] = value
+            return [v if isinstance(v, Miss) else len(v) for v in values]
+
+        n, source, reason = self._cascade(len(keys), fetch)
+        run = [c for c in found[:n] if c is not None]
         self._after_load(keys, run, source)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
-        return LoadResult(run, sources, reason if len(run) < len(keys) else ABSENT)
+        return LoadResult(run, [self.tiers[source[i]].name for i in range(n)], reason)
 
-    def _after_load(self, keys: Sequence[bytes], run: list[bytes], source: list[int]) -> None:
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> LoadIntoResult:
+        """:meth:`load` into caller-owned buffers, one per key, each large enough for its chunk
+        (page-aligned buffers let the disk tier read straight into them with O_DIRECT): no
+        per-chunk allocation. Promotion copies out of ``outs`` before returning, so the caller
+        may reuse them as soon as this returns."""
+        if len(keys) != len(outs):
+            raise ValueError(f"load_into got {len(keys)} keys and {len(outs)} buffers")
+        t0 = time.perf_counter()
+        sizes = [0] * len(keys)
+        oversized: dict[int, bytes] = {}
+
+        def fetch(tier: Tier, want: list[int]) -> list[int | Miss]:
+            batch_keys = [keys[i] for i in want]
+            try:
+                results = tier.get_into(batch_keys, [outs[i] for i in want])
+            except ValueError:
+                # A stored chunk larger than the buffer sized for it is not a chunk of the
+                # caller's layout (forged or foreign). Read the batch the allocating way and
+                # hand it on as bytes: the caller's verification says what is wrong with it.
+                values = tier.get(batch_keys)
+                oversized.update((i, v) for i, v in zip(want, values) if not isinstance(v, Miss))
+                results = [v if isinstance(v, Miss) else len(v) for v in values]
+            for i, r in zip(want, results):
+                if not isinstance(r, Miss):
+                    sizes[i] = r
+            return results
+
+        n, source, reason = self._cascade(len(keys), fetch)
+        run: list[Buf] = [oversized[i] if i in oversized else outs[i][: sizes[i]] for i in range(n)]
+        self._after_load(keys, run, source)
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+        return LoadIntoResult(run, [self.tiers[source[i]].name for i in range(n)], reason)
+
+    def _cascade(self, n: int, fetch: Callable[[Tier, list[int]], list[int | Miss]]
+                 ) -> tuple[int, list[int], str]:
+        """Ask each tier, top down, for the chunks no tier above it had (``fetch(tier,
+        indexes)`` -> a size or a Miss per index). Returns the length of the leading run, the
+        tier level that served each chunk, and why the run stopped."""
+        source = [-1] * n
+        reason = ABSENT
+        for level, tier in enumerate(self.tiers):
+            want = [i for i in range(n) if source[i] < 0]
+            if not want:
+                break
+            for i, result in zip(want, fetch(tier, want)):
+                if isinstance(result, Miss):
+                    if _REASON_RANK.get(result.reason, 2) > _REASON_RANK.get(reason, 2):
+                        reason = result.reason
+                    continue
+                source[i] = level
+                self.metrics.bytes_read.labels(tier.name).inc(result)
+        run = next((i for i, level in enumerate(source) if level < 0), n)
+        return run, source, reason if run < n else ABSENT
+
+    def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], source: list[int]) -> None:
         if self.config.promote_on_load:
             for level in range(1, len(self.tiers)):
                 served = [Entry(keys[i], run[i], i) for i in range(len(run)) if source[i] == level]
@@ -161,7 +221,8 @@ class TieredStore:
                 for i, data in enumerate(run):
                     self._hits[keys[i]] += 1
                     if self._hits[keys[i]] == self.config.selective_min_hits:
-                        due.append(Entry(keys[i], data, i))
+                        # The queue keeps the entry: a copy, as ``run`` may be the caller's buffers.
+                        due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), i))
             if due:
                 self._enqueue(due, 1)
 

@@ -222,3 +222,43 @@ def test_chunk_larger_than_cpu_slot_is_a_config_error() -> None:
         with pytest.raises(ConfigError, match="cpu.slot_bytes"):
             PrefixCache(store, big)
         PrefixCache(store, big, codec="lz4")  # may fit once compressed: warning only
+
+
+def test_load_into_matches_load_and_leaves_the_buffers_to_the_caller() -> None:
+    """Same run, sources and promotion as load(); the caller may scribble over its buffers
+    right after, without touching what was promoted; a gap ends the run with its reason."""
+    a, b = MemoryTier(name="a"), MemoryTier(name="b")
+    keys, entries = _entries(4)
+    a.put([entries[0]])
+    b.put(entries[1:3])  # key 3 is nowhere
+    with TieredStore([a, b]) as store:
+        outs = [memoryview(bytearray(128)) for _ in keys]
+        res = store.load_into(keys, outs)
+        assert [bytes(c) for c in res.chunks] == [e.data for e in entries[:3]]
+        assert res.sources == ["a", "b", "b"] and res.reason == "absent"
+        assert all(c.obj is o.obj for c, o in zip(res.chunks, outs))  # views of the caller's buffers
+        for out in outs:
+            out[:] = b"\xff" * 128
+        assert a.contains(keys) == 3 and a.get(keys[1:3]) == [e.data for e in entries[1:3]]
+        with pytest.raises(ValueError, match="2 keys and 1 buffers"):
+            store.load_into(keys[:2], outs[:1])
+
+
+def test_load_into_hands_an_oversized_chunk_to_the_verifier() -> None:
+    """A stored chunk larger than the caller's buffer is not a chunk of its layout: it reaches
+    the caller as bytes (never as an exception), and PrefixCache refuses it by name."""
+    big = NamespaceSpec("test-model", KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, chunk_tokens=4))
+    a = MemoryTier(name="a")
+    with TieredStore([a]) as store:
+        cache = PrefixCache(store, SPEC)
+        tokens = np.arange(8)
+        keys = cache.keys(tokens)
+        forged = encode_chunk(cache.namespace, keys[0], "float16", big.layout.chunk_shape(4),
+                              np.zeros(big.layout.chunk_shape(4), np.float16).tobytes())
+        a.put([Entry(keys[0], forged)])
+        fit = len(forged) - 1
+        res = store.load_into(keys[:1], [memoryview(bytearray(fit))])
+        assert res.chunks == [forged]
+        run = cache.load_verified_into(keys[:1], [(0, 4)], [memoryview(bytearray(fit))])
+        assert run.payloads == [] and run.reason == "layout_mismatch"
+        assert a.contains(keys[:1]) == 0  # the refused chunk is dropped, as load() does

@@ -104,6 +104,20 @@ def layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
+def set_layer_kv(cache: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``keys`` / ``values`` (batch, kv_heads, seq, head_dim) layer ``layer``'s K/V as they
+    are, without the copy ``cache.update`` makes (it concatenates onto an empty tensor). Layers
+    must be set in order, from 0, on a new cache; the cache keeps references to the tensors."""
+    # A zero-token update creates and initialises the layer the way this release does...
+    cache.update(keys[:, :, :0], values[:, :, :0], layer)
+    layers = getattr(cache, "layers", None)
+    # ...then the tensors replace its (empty) ones; the next update concatenates onto them.
+    if layers is not None:
+        layers[layer].keys, layers[layer].values = keys, values
+    else:
+        cache.key_cache[layer], cache.value_cache[layer] = keys, values
+
+
 def has_sliding_layers(cache: Any) -> bool:
     """True when some layer keeps only a window of tokens (restoring a long prefix into it
     would not reproduce what the model computes)."""

@@ -44,7 +44,8 @@ from kvtier_hf.compat import (
     seq_length,
     text_config,
 )
-from kvtier_hf.kv import cache_from_chunks, kv_payload
+from kvtier_hf.kv import kv_payload
+from kvtier_hf.restore import restore
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class RestoredPrefix:
     per_tier: dict[str, int] = field(default_factory=dict)
     reason: str = ABSENT
     seconds: float = 0.0
+    nbytes: int = 0  # encoded chunk bytes read from the store
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,6 +128,7 @@ class GenerationResult:
     save_s: float
     decode_s: float
     first_logits: torch.Tensor = field(repr=False)
+    restore_bytes: int = 0  # encoded chunk bytes the restore read from the store
 
 
 def _as_ids(input_ids: TokenIds) -> np.ndarray:
@@ -192,13 +195,12 @@ class KVTierHF:
         if not hit.tokens:
             return RestoredPrefix(new_cache(self.model.config), 0, {}, hit.reason,
                                   time.perf_counter() - t0)
-        loaded = self.prefix_cache.load(ids[: hit.tokens])
-        use = min(loaded.tokens, len(ids) - 1)
-        cache = cache_from_chunks(loaded.payloads, loaded.shapes, use, self.spec.layout, self.dtype,
-                                  self.model.config, self.device)
-        reason = loaded.reason if loaded.tokens < hit.tokens else hit.reason
-        log.debug("restored %d/%d prompt tokens (%s)", use, len(ids), loaded.per_tier)
-        return RestoredPrefix(cache, use, loaded.per_tier, reason, time.perf_counter() - t0)
+        use = min(hit.tokens, len(ids) - 1)
+        got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config, self.device)
+        reason = got.reason if got.tokens < use else hit.reason
+        log.debug("restored %d/%d prompt tokens (%s)", got.tokens, len(ids), got.per_tier)
+        return RestoredPrefix(got.cache, got.tokens, got.per_tier, reason, time.perf_counter() - t0,
+                              got.nbytes)
 
     def restore(self, input_ids: TokenIds) -> tuple[Any, int]:
         """(DynamicCache holding the restored prefix, number of prompt tokens it covers)."""
@@ -255,7 +257,7 @@ class KVTierHF:
             prefilled_tokens=len(ids) - start, saved_chunks=saved,
             hits_per_tier=dict(restored.per_tier), miss_reason=restored.reason,
             ttft_s=t2 - t0, restore_s=t1 - t0, prefill_s=t2 - t1, save_s=t3 - t2, decode_s=t4 - t3,
-            first_logits=logits.cpu())
+            first_logits=logits.cpu(), restore_bytes=restored.nbytes)
 
     # --- lifecycle -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

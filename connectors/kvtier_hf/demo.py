@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.chunk import page_aligned_buffer
 from kvtier.config import CpuTierConfig, DiskTierConfig, GrpcTierConfig, KVTierConfig, MiB
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class PhaseResult:
     setup_s: float
     model: str
     tiers: list[str]
+    restore_bytes: int = 0  # chunk bytes the restore read
+    tier_read_gbps: float = 0.0  # the serving tier's own get_into of the same chunks, same run
     pid: int = field(default_factory=os.getpid)
 
     @classmethod
@@ -104,6 +107,11 @@ class DemoReport:
         return self.cold.tokens == self.warm.tokens
 
     @property
+    def restore_gbps(self) -> float:
+        w = self.warm
+        return w.restore_bytes / w.restore_s / 1e9 if w.restore_s > 0 else 0.0
+
+    @property
     def speedup(self) -> float:
         return self.cold.ttft_s / self.warm.ttft_s if self.warm.ttft_s > 0 else float("inf")
 
@@ -120,6 +128,10 @@ class DemoReport:
             "prefilled_tokens_warm": self.warm.prefilled_tokens,
             "saved_chunks_cold": self.cold.saved_chunks,
             "restore_warm_s": round(self.warm.restore_s, 4),
+            "restore_gbps": round(self.restore_gbps, 3),
+            "tier_read_gbps": round(self.warm.tier_read_gbps, 3),
+            "restore_vs_tier_read": (round(self.restore_gbps / self.warm.tier_read_gbps, 3)
+                                     if self.warm.tier_read_gbps > 0 else None),
             "new_tokens": len(self.warm.tokens),
             "tokens_cold": self.cold.tokens,
             "tokens_warm": self.warm.tokens,
@@ -169,6 +181,7 @@ def run_phase(opts: DemoOptions, phase: str) -> PhaseResult:
         log.info("[%s] generating: prompt of %d tokens, %d new tokens (tiers: %s)", phase,
                  len(prompt), opts.new_tokens, " -> ".join(tiers))
         res = hf.generate(prompt, opts.new_tokens)
+        read_gbps = tier_read_gbps(hf, prompt, res) if res.restored_tokens else 0.0
         log.info("[%s] restored %d tokens (chunks per tier: %s), prefilled %d, TTFT %.3f s; "
                  "flushing the store", phase, res.restored_tokens, res.hits_per_tier or "none",
                  res.prefilled_tokens, res.ttft_s)
@@ -179,7 +192,30 @@ def run_phase(opts: DemoOptions, phase: str) -> PhaseResult:
                   f"{spec.num_kv_heads} KV heads x {spec.head_dim}, {spec.dtype}")
     return PhaseResult(phase, list(res.tokens), res.prompt_tokens, res.restored_tokens,
                        res.prefilled_tokens, res.saved_chunks, dict(res.hits_per_tier), res.ttft_s,
-                       res.restore_s, res.prefill_s, res.decode_s, setup_s, model_desc, tiers)
+                       res.restore_s, res.prefill_s, res.decode_s, setup_s, model_desc, tiers,
+                       res.restore_bytes, read_gbps)
+
+
+def tier_read_gbps(hf: Any, prompt: Sequence[int], res: Any, reps: int = 3) -> float:
+    """The read limit the restore is measured against, in the same process and run: the tier
+    that served most restored chunks reads the same chunks with its own ``get_into`` into
+    preallocated page-aligned buffers (for the disk tier: O_DIRECT reads in place), with no
+    verification, copy into the cache or promotion. Median GB/s of ``reps`` passes."""
+    from kvtier_hf.restore import buffer_bytes
+
+    cache = hf.prefix_cache
+    name = max(res.hits_per_tier, key=res.hits_per_tier.get)
+    tier = next(t for t in cache.store.tiers if t.name == name)
+    keys = cache.keys(prompt[: res.restored_tokens])
+    size = buffer_bytes(cache)
+    outs = [page_aligned_buffer(size) for _ in keys]
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        got = tier.get_into(keys, outs)
+        dt = time.perf_counter() - t0
+        rates.append(sum(n for n in got if isinstance(n, int)) / dt / 1e9)
+    return sorted(rates)[len(rates) // 2]
 
 
 def _run_phase_subprocess(opts: DemoOptions, phase: str, flags: Sequence[str] = ()) -> PhaseResult:
@@ -225,6 +261,8 @@ def format_report(report: DemoReport) -> str:
         f"{'':24}{'cold (pid ' + str(c.pid) + ')':>22}{'warm (pid ' + str(w.pid) + ')':>22}",
         f"{'time to first token':24}{c.ttft_s:>20.3f} s{w.ttft_s:>20.3f} s",
         f"{'  of which restore':24}{c.restore_s:>20.3f} s{w.restore_s:>20.3f} s",
+        (f"{'  restore rate':24}{'':>22}{report.restore_gbps:>18.2f} GB/s  "
+         f"(the serving tier's own read: {w.tier_read_gbps:.2f} GB/s)"),
         f"{'tokens prefilled':24}{c.prefilled_tokens:>22}{w.prefilled_tokens:>22}",
         f"{'tokens restored':24}{c.restored_tokens:>22}{w.restored_tokens:>22}",
         f"{'chunks saved':24}{c.saved_chunks:>22}{w.saved_chunks:>22}",

@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import mmap
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -208,6 +209,28 @@ class CpuTier(BoundedTier):
                 with self._lock:
                     self._leave(slot)
         return results
+
+    @contextmanager
+    def leased(self, key: bytes) -> Iterator[memoryview | Miss]:
+        """A read-only view of ``key``'s chunk in the arena, for use inside the ``with`` block
+        only (no copy: a server sends it straight to a socket). While leased the slot is never
+        reused: a chunk evicted, deleted or overwritten meanwhile stays intact for this lease.
+        Yields a :class:`Miss` when the key is absent. Any thread; keep leases short (a
+        leased slot is unavailable to ``put``)."""
+        check_keys([key])
+        with self._lock:
+            self._check_open()
+            hit = self._acquire(key)
+        if isinstance(hit, Miss):
+            yield hit
+            return
+        slot, length = hit
+        off = slot * self.slot_bytes
+        try:
+            yield self._arena[off : off + length].toreadonly()
+        finally:
+            with self._lock:
+                self._leave(slot)
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:
         check_keys([e.key for e in entries])
