@@ -9,10 +9,13 @@ Real kvtier-server processes on loopback; the attacker speaks the wire protocol 
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import socket
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -286,3 +289,46 @@ def test_ticket_errors_are_no_crash(server: ServerProc) -> None:
         os.close(fd)
         send_all(sock, encode_shm_mapped(True))
     alive_and_serving(server)
+
+
+def _lying_peer(docs: list[bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A peer HTTP port that answers each request with the next of ``docs`` as /api/stats."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+
+    def serve() -> None:
+        for body in docs:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return sock, thread
+
+
+def test_one_lying_peer_does_not_break_the_cluster_page(tmp_path: Path) -> None:
+    """Item 8: a peer whose /api/stats has ``"used_bytes": "lots"`` or a tier without a name
+    used to make /api/cluster close with 0 bytes; now that peer is shown down, with why."""
+    tier = {"name": "cpu", "used_bytes": 1, "capacity_bytes": 2, "entries": 1}
+    docs = [{"node_id": "liar", "tenants": [{"tenant": "t", "used_bytes": "lots", "tiers": [tier]}]},
+            {"node_id": "liar", "tenants": [{"tenant": "t", "tiers": [{"used_bytes": 1}]}]},
+            {"node_id": "liar", "tenants": [{"tenant": "t", "lookup": ["x"], "tiers": []}]},
+            {"node_id": "liar", "tenants": [{"tenant": "t", "tiers": [{**tier, "evictions": {"x": "y"}}]}]}]
+    peer, thread = _lying_peer([json.dumps(d).encode() for d in docs])
+    s = start_server(tmp_path, "--peers", f"127.0.0.1:{peer.getsockname()[1]}")
+    try:
+        for _ in docs:
+            with urllib.request.urlopen(s.http + "/api/cluster", timeout=10) as r:
+                doc = json.loads(r.read())
+            assert [n["up"] for n in doc["nodes"]] == [True, False], doc["nodes"]
+            assert doc["nodes"][1]["error"].startswith("bad stats document"), doc["nodes"][1]
+    finally:
+        peer.close()
+        assert s.stop() == 0, s.log
