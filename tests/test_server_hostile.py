@@ -59,6 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     s = start_server(work, "--tokens-file", str(tokens), "--set", "max_chunk_bytes=1MiB",
                      "--set", "max_batch_keys=64", "--set", "shm_bytes=4MiB",
                      "--set", "max_data_connections=16", "--set", "max_unauthenticated_connections=4",
+                     "--set", "max_data_connections_per_tenant=4",
                      "--set", "handshake_timeout_s=1.5")
     yield s
     assert s.alive(), f"the server died: {s.proc.returncode}\n{s.log}"
@@ -92,6 +93,11 @@ def fetch_fd(offer: ShmOffer, ticket: str | None = None) -> int | None:
         except ConnectionResetError:
             return None
     return fds[0] if fds else None
+
+
+def shm_names(server: ServerProc) -> list[str]:
+    """Names in /dev/shm that this server made (the old code named them kvtier-<pid>-...)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{server.proc.pid}-")]
 
 
 def alive_and_serving(server: ServerProc) -> None:
@@ -159,17 +165,19 @@ def test_rule_breaker_loses_only_its_connection(server: ServerProc) -> None:
 def test_no_segment_is_ever_named_or_given_to_a_stranger(server: ServerProc) -> None:
     """Item 4: nothing appears in /dev/shm; the hand-off socket gives the descriptor only for
     the ticket (which travels on the authenticated connection), once."""
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("kvtier")}
     sock, reader = connect(server)
     with sock:
         offer = offer_segment(sock, reader)
-        assert {n for n in os.listdir("/dev/shm") if n.startswith("kvtier")} == before
+        assert not shm_names(server)
         assert fetch_fd(offer, ticket="0" * len(offer.ticket)) is None  # a stranger: nothing
         fd = fetch_fd(offer)
         assert fd is not None
         os.close(fd)
-        with pytest.raises(ConnectionRefusedError):  # one hand-off, then the socket is gone
-            fetch_fd(offer)
+        try:  # one hand-off, then the socket is gone (or closing: no second descriptor)
+            again = fetch_fd(offer)
+        except ConnectionRefusedError:
+            again = None
+        assert again is None
         send_all(sock, encode_shm_mapped(True))
         send_all(sock, encode_get(make_keys(1, seed=4)))
         assert read_frame(sock, reader).type != ERROR
@@ -193,7 +201,7 @@ def test_unanswered_offer_does_not_stall_or_leak(tmp_path: Path) -> None:
         offer_segment(sock, reader)
         s.kill()
         sock.close()
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith("kvtier")]
+        assert not shm_names(s)
     finally:
         s.kill()
 
@@ -268,6 +276,32 @@ def test_tokenless_peers_cannot_take_the_slots(server: ServerProc) -> None:
         for s in bare:
             s.close()
     alive_and_serving(server)
+
+
+def test_one_tenant_cannot_take_every_connection(server: ServerProc) -> None:
+    """Item 7: each connection holds a segment and a scratch buffer no quota counts; one
+    tenant gets at most max_data_connections_per_tenant (4 here) of them, others still connect."""
+    held: list[socket.socket] = []
+    try:
+        end = time.monotonic() + 10
+        while len(held) < 4 and time.monotonic() < end:  # earlier tests' connections may linger
+            sock = socket.create_connection(("127.0.0.1", server.ports["data"]), timeout=5)
+            send_all(sock, encode_hello(ALICE))
+            frame = read_frame(sock, FrameReader(LIMITS))
+            if frame.type == WELCOME:
+                held.append(sock)
+            else:
+                sock.close()
+                time.sleep(0.1)
+        assert len(held) == 4
+        with socket.create_connection(("127.0.0.1", server.ports["data"]), timeout=5) as sock:
+            send_all(sock, encode_hello(ALICE))
+            frame = read_frame(sock, FrameReader(LIMITS))
+            assert frame.type == ERROR and b"max_data_connections_per_tenant=4" in bytes(frame.body)
+        alive_and_serving(server)  # bob
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_ticket_errors_are_no_crash(server: ServerProc) -> None:

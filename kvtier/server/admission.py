@@ -6,7 +6,9 @@ Why two caps: a peer with no token must not be able to hold the slots real tenan
 connection gets ``handshake_s`` in all, not per ``recv``, after which the reaper shuts its
 socket down (that wakes its thread, TLS handshake included); when ``max_pending`` are
 waiting, a new one pushes out the oldest, so a flood costs its sender the race and a real
-client's handshake (a millisecond) still gets through.
+client's handshake (a millisecond) still gets through. One tenant may hold at most
+``max_per_tenant`` connections: each costs the server up to ``shm_bytes`` of segment and
+``max_chunk_bytes`` of scratch, memory no quota counts, so one tenant cannot take it all.
 
 Threads: every method may be called from any thread (one lock); the reaper is a daemon
 thread started by :meth:`start` and ended by :meth:`stop`.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 class Conn:
@@ -47,13 +49,16 @@ class Conn:
 
 
 class Admission:
-    def __init__(self, max_authenticated: int, max_pending: int, handshake_s: float) -> None:
+    def __init__(self, max_authenticated: int, max_pending: int, handshake_s: float,
+                 max_per_tenant: int = 0) -> None:
         self.max_authenticated = max_authenticated
+        self.max_per_tenant = max_per_tenant or max_authenticated
         self.max_pending = max_pending
         self.handshake_s = handshake_s
         self._lock = threading.Lock()
         self._pending: OrderedDict[Conn, float] = OrderedDict()  # -> deadline, oldest first
-        self._authenticated: set[Conn] = set()
+        self._authenticated: dict[Conn, str] = {}  # -> tenant
+        self._per_tenant: Counter[str] = Counter()
         self._stop = threading.Event()
         self.evicted = 0  # pending connections pushed out or past their deadline
 
@@ -74,21 +79,26 @@ class Admission:
             for old in out:
                 old.shutdown()
 
-    def authenticate(self, conn: Conn) -> bool:
-        """The connection authenticated: True if it may stay (a slot is free). False also when
-        its handshake time ran out or it was pushed out meanwhile."""
+    def authenticate(self, conn: Conn, tenant: str) -> str:
+        """The connection authenticated as ``tenant``: "" if it may stay, else why not (no
+        slot left, the tenant's own cap reached, or its handshake time ran out meanwhile)."""
         with self._lock:
             if self._pending.pop(conn, None) is None:
-                return False
+                return f"handshake took longer than {self.handshake_s:g}s"
             if len(self._authenticated) >= self.max_authenticated:
-                return False
-            self._authenticated.add(conn)
-            return True
+                return f"max_data_connections={self.max_authenticated} reached"
+            if self._per_tenant[tenant] >= self.max_per_tenant:
+                return f"max_data_connections_per_tenant={self.max_per_tenant} reached for {tenant!r}"
+            self._authenticated[conn] = tenant
+            self._per_tenant[tenant] += 1
+            return ""
 
     def leave(self, conn: Conn) -> None:
         with self._lock:
             self._pending.pop(conn, None)
-            self._authenticated.discard(conn)
+            tenant = self._authenticated.pop(conn, None)
+            if tenant is not None:
+                self._per_tenant[tenant] -= 1
 
     def counts(self) -> tuple[int, int]:
         """(pending, authenticated) connections now."""

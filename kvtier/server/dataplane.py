@@ -90,7 +90,7 @@ class _Batch:
 class DataPlane:
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
                  tls: ssl.SSLContext | None, max_connections: int, shm_bytes: int = 0,
-                 max_unauthenticated: int = 32, handshake_s: float = 5.0) -> None:
+                 max_unauthenticated: int = 32, handshake_s: float = 5.0, max_per_tenant: int = 0) -> None:
         self.storage = storage
         self.auth = auth
         self.limits = limits
@@ -99,7 +99,7 @@ class DataPlane:
         self.tls = tls
         self.max_connections = max_connections
         self.shm_bytes = shm_bytes if shm_segment.AVAILABLE else 0
-        self.admission = Admission(max_connections, max_unauthenticated, handshake_s)
+        self.admission = Admission(max_connections, max_unauthenticated, handshake_s, max_per_tenant)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: set[Conn] = set()
@@ -181,9 +181,9 @@ class DataPlane:
             self.metrics.auth_failures.labels(exc.code).inc()
             send_all(sock, encode_error(getattr(grpc.StatusCode, exc.code).value[0], exc.message))
             return
-        if not self.admission.authenticate(conn):
-            send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                                        f"max_data_connections={self.max_connections} reached"))
+        refused = self.admission.authenticate(conn, tenant.name)
+        if refused:
+            send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], refused))
             return
         send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
                                        "max_batch_keys": self.limits.max_batch_keys}))
