@@ -297,7 +297,7 @@ def test_no_shared_segment_outlives_its_connection(contract_server: tuple[Server
         t.join(30)
     assert errors == []
     # Segments are memfds handed over by descriptor: no name in /dev/shm, ever.
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{s.proc.pid}-")]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{proc.proc.pid}-")]
     maps = Path(f"/proc/{proc.proc.pid}/maps")
     assert "memfd:kvtier-shm" in maps.read_text()
     tier.close()
