@@ -96,9 +96,10 @@ def test_chaos(tmp_path: Path) -> None:
                    "timeout_s": TIMEOUT_S, "end": end}
             (tmp_path / f"c{i}.json").write_text(json.dumps(cfg))
             env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            clients.append(subprocess.Popen(
-                [sys.executable, "-m", "tests._chaos_client", str(tmp_path / f"c{i}.json"),
-                 str(tmp_path / f"out{i}.json")], cwd=ROOT, env=env))
+            with open(tmp_path / f"c{i}.log", "wb") as log:  # the tiers' outage lines go here
+                clients.append(subprocess.Popen(
+                    [sys.executable, "-m", "tests._chaos_client", str(tmp_path / f"c{i}.json"),
+                     str(tmp_path / f"out{i}.json")], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         fault_start = t0 + WARM_S + PRE_S
         time.sleep(max(0.0, fault_start - time.time()))
         while time.time() < fault_start + FAULT_S:
@@ -120,8 +121,8 @@ def test_chaos(tmp_path: Path) -> None:
                     time.sleep(down)
                     os.kill(nodes[i].proc.pid, signal.SIGCONT)
             time.sleep(rng.uniform(0.5, 2.0))
-        for c in clients:
-            assert c.wait(end - time.time() + 120) == 0
+        for i, c in enumerate(clients):
+            assert c.wait(end - time.time() + 120) == 0, (tmp_path / f"c{i}.log").read_text()[-3000:]
     finally:
         monitor.stop.set()
         for c in clients:
