@@ -258,7 +258,8 @@ class DataPlane:
             batch.flags.append(False)
             self.metrics.rejected.labels(exc.code.name).inc()
             return
-        new = store.probe([item.key]).hits == 0
+        # Probed tier by tier, not by store.probe: that one counts as a client lookup.
+        new = not any(tier.probe([item.key]).hits for tier in store.tiers)
         ok = store.put([entry])[0]
         if ok and new:
             batch.new_keys.append(item.key)
