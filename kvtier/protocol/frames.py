@@ -23,18 +23,15 @@ close. Then any number of requests, one at a time per connection:
 - PUT (count = depth, flags MORE/PARENT, body = key ‖ [parent] ‖ chunk), repeated with MORE
   set on all but the batch's last -> PUT_REPLY (count = n, body = n bytes 1/0 stored) or ERROR.
 
-Shared memory (same host): SHM_OPEN -> SHM_READY (body = JSON ``socket``, ``ticket``,
-``size``: the server made a sealed memfd of ``size`` bytes for this connection and listens on
-the abstract Unix socket ``"\\0" + socket``) -> the client connects there, sends the 32-char
-ticket, receives the descriptor (SCM_RIGHTS), maps it and answers SHM_MAPPED (count = 1, or 0
-when it could not). No segment ever has a name in a file system. From then on a chunk may
-travel as a reference instead of inline: a CHUNK or PUT with flag SHM carries
-``offset ‖ length`` (u64 each) in place of the chunk bytes. Each request uses the segment from
-offset 0 (one request at a time per connection, so nothing is overwritten while in use); a
-chunk that does not fit goes inline.
+Shared memory (same host): SHM_OPEN -> SHM_READY (body = JSON ``socket``, ``ticket``, ``size``
+of a sealed memfd the server made for this connection) -> the client connects to the abstract
+Unix socket ``"\\0" + socket``, sends the ticket, receives the descriptor (SCM_RIGHTS), maps
+it and answers SHM_MAPPED (count = 1, or 0 when it could not); no segment ever has a name.
+Then a chunk may travel as a reference: a CHUNK or PUT with flag SHM carries ``offset ‖
+length`` (u64 each) in place of the chunk bytes. Each request uses the segment from offset 0
+(one request at a time per connection); a chunk that does not fit goes inline.
 
-Before HELLO only HELLO-sized frames are accepted (:meth:`WireLimits.handshake`), so an
-unauthenticated peer can make the receiver allocate at most ``HELLO_MAX`` bytes.
+Before HELLO a server accepts only HELLO-sized frames (:meth:`WireLimits.handshake`).
 
 Ownership: a frame's ``body`` is a view into the reader's buffer (valid until the next frame),
 into the caller's target buffer (see ``body_target``) or, from :meth:`FrameReader.feed`, into
@@ -82,12 +79,10 @@ class WireLimits:
 
     @classmethod
     def handshake(cls) -> WireLimits:
-        """Limits before authentication: no body larger than a HELLO, whatever its type."""
+        """Before authentication: no chunk, no keys, control bodies (HELLO) up to HELLO_MAX."""
         return cls(0, 0, HELLO_MAX)
 
     def max_body(self, ftype: int) -> int:
-        if self.max_control_bytes < _SMALL:  # the pre-authentication limits
-            return self.max_control_bytes
         if ftype in (CHUNK, PUT):
             return self.max_chunk_bytes + 2 * KEY_BYTES
         if ftype == GET:
