@@ -35,6 +35,7 @@ import time
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 HANDOFF_S = 5.0  # the client asks for the fd right after SHM_READY; anything slower gives up
+TICKET_WAIT_S = 0.25
 TICKET_CHARS = 32
 AVAILABLE = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
@@ -89,12 +90,17 @@ class Segment:
                     return False  # timed out, or the client moved on
                 peer, _ = listener.accept()
                 with peer:
-                    peer.settimeout(max(0.01, deadline - time.monotonic()))
-                    if hmac.compare_digest(_recv_exact(peer, TICKET_CHARS), self.ticket.encode()):
-                        socket.send_fds(peer, [b"\x01"], [self.fd])
-                        return True
+                    # The client sends its ticket as it connects: a local peer that connects and
+                    # says nothing delays the real one by TICKET_WAIT_S at most, not HANDOFF_S.
+                    peer.settimeout(max(0.01, min(TICKET_WAIT_S, deadline - time.monotonic())))
+                    try:
+                        if hmac.compare_digest(_recv_exact(peer, TICKET_CHARS), self.ticket.encode()):
+                            socket.send_fds(peer, [b"\x01"], [self.fd])
+                            return True
+                    except OSError:  # that peer stalled or hung up: wait for the next
+                        continue
             return False
-        except OSError:
+        except OSError:  # the listener or the data connection failed
             return False
         finally:
             self._close_handoff()
