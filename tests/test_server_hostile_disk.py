@@ -97,6 +97,10 @@ def test_files_0600_and_directories_0700_whatever_the_umask(tmp_path: Path, umas
             assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {"0o600"}
         finally:
             t.close()
+    old_file = next(p for p in existing.rglob("*.kvc"))
+    old_file.chmod(0o644)  # as an older version left it
+    tier(existing).close()  # start-up narrows what it indexes
+    assert oct(stat.S_IMODE(old_file.stat().st_mode)) == "0o600"
 
 
 def _plant(root: Path) -> dict[str, Path]:

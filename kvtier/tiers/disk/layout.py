@@ -73,10 +73,17 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
 
 
 def read_head(path: str) -> tuple[bytes, int]:
-    """The first HEADER_SIZE bytes of a regular file and its size (see :func:`open_regular`)."""
+    """The first HEADER_SIZE bytes of a regular file and its size (see :func:`open_regular`).
+    A file others may read (made by an older version) is narrowed to 0600 on the way."""
     fd = open_regular(path)
     try:
-        return os.pread(fd, HEADER_SIZE, 0), os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if st.st_mode & 0o077:
+            try:
+                os.fchmod(fd, FILE_MODE)
+            except PermissionError:  # not ours to change: the caller's checks still apply
+                pass
+        return os.pread(fd, HEADER_SIZE, 0), st.st_size
     finally:
         os.close(fd)
 
