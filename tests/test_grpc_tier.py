@@ -276,7 +276,6 @@ def test_shm_off_or_unmappable_falls_back_to_socket(tmp_path: Path) -> None:
 
 def test_no_shared_segment_outlives_its_connection(contract_server: tuple[ServerProc, list[str]]) -> None:
     proc, tokens = contract_server
-    prefix = f"kvtier-{proc.proc.pid}-"
     tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(proc.address,), token=tokens[-2], data_path="shm",
                                    connections=3))
     keys = make_keys(6, seed=15)
@@ -297,9 +296,15 @@ def test_no_shared_segment_outlives_its_connection(contract_server: tuple[Server
     for t in threads:
         t.join(30)
     assert errors == []
-    # Mapped segments are unlinked at once: the names never stay in /dev/shm.
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    # Segments are memfds handed over by descriptor: no name in /dev/shm, ever.
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{proc.proc.pid}-")]
+    maps = Path(f"/proc/{proc.proc.pid}/maps")
+    assert "memfd:kvtier-shm" in maps.read_text()
     tier.close()
+    end = time.monotonic() + 10  # the server unmaps each segment when its connection ends
+    while "memfd:kvtier-shm" in maps.read_text() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert "memfd:kvtier-shm" not in maps.read_text()
 
 
 @pytest.mark.parametrize("path", ["shm", "socket"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,6 +167,9 @@ def test_quota_evicts_within_the_tenant_only(server: ServerProc, stub: pb_grpc.K
 
 def test_tokens_file_format_errors() -> None:
     assert parse_tokens("tok-0123456789abcdef t1 2GiB admin\n")["tok-0123456789abcdef"].quota_bytes == 2 << 30
+    # "#" inside a token is part of it; only "#" at a line start or after a space is a comment
+    assert parse_tokens("tok#0123456789abcdef t1 # note\n  # whole line\n") == {
+        "tok#0123456789abcdef": parse_tokens("x" * 16 + " t1")["x" * 16]}
     for bad in ("short t1", "tok-0123456789abcdef", "tok-0123456789abcdef ../x", "tok-0123456789abcdef .x",
                 "tok-0123456789abcdef t1 lots", "tok-0123456789abcdef t1\ntok-0123456789abcdef t2",
                 "tok-0123456789abcdef t1 1GiB\ntok-0123456789abcdeX t1 2GiB"):
@@ -254,5 +258,33 @@ def test_mutual_tls(tmp_path: Path, pki: dict[str, str]) -> None:
                 assert bad.get(make_keys(1, seed=32)) == [Miss(NODE_DOWN)]
             finally:
                 bad.close()
+    finally:
+        assert s.stop() == 0, s.log
+
+
+def test_tls_handshake_has_a_hard_deadline(tmp_path: Path, pki: dict[str, str]) -> None:
+    """Issue 10 item 2 under TLS: a peer trickling its ClientHello a byte at a time is cut off
+    at handshake_timeout_s (the reaper shuts the descriptor down mid-handshake); a real TLS
+    client still gets through afterwards."""
+    s = start_server(tmp_path, "--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"],
+                     "--set", "handshake_timeout_s=1")
+    try:
+        with socket.create_connection(("127.0.0.1", s.ports["data"]), timeout=10) as sock:
+            start = time.monotonic()
+            hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64
+            cut = None
+            for b in hello:
+                try:
+                    sock.send(bytes([b]))
+                except (BrokenPipeError, ConnectionResetError):
+                    cut = time.monotonic() - start
+                    break
+                time.sleep(0.2)
+            assert cut is not None and cut < 3.0, cut
+        t = tier(s, "", tls_ca=pki["ca"], data_path="socket", timeout_s=5)
+        try:
+            _round_trip(t, seed=40)
+        finally:
+            t.close()
     finally:
         assert s.stop() == 0, s.log

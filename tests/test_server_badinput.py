@@ -200,6 +200,30 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+def _refused_then_closed(sock: socket.socket, limits: WireLimits | None = None) -> str:
+    """Frames the server sent before hanging up (SHM_READY, ...) are skipped; the last must be
+    an ERROR naming the protocol error (INVALID_ARGUMENT), then the end of the stream."""
+    reader = FrameReader(limits or WireLimits(MAX_CHUNK, MAX_KEYS))
+    last = None
+    while True:
+        try:
+            frame = read_frame(sock, reader)
+        except (ConnectionError, OSError):
+            break
+        last = (frame.type, frame.header.count, bytes(frame.body).decode(errors="replace"))
+    assert last is not None and last[:2] == (ERROR, Code.INVALID_ARGUMENT.value[0]), last
+    assert "protocol error" in last[2], last
+    return last[2]
+
+
+def _stored(server: ServerProc, keys: list[bytes]) -> int:
+    """How many of ``keys`` the server holds (one gRPC Lookup per key: any hit counts)."""
+    with grpc.insecure_channel(server.address) as ch:
+        lookup = ch.unary_unary(SVC + "Lookup")
+        return sum(pb.LookupReply.FromString(lookup(pb.LookupRequest(keys=[k]).SerializeToString(),
+                                                      timeout=5)).hits for k in keys)
+
+
 def test_data_port_garbage_and_refusals(server: ServerProc) -> None:
     limits = WireLimits(MAX_CHUNK, MAX_KEYS)
     rng = random.Random(6)
@@ -207,49 +231,72 @@ def test_data_port_garbage_and_refusals(server: ServerProc) -> None:
                     encode_header(4, 0, 1, 1 << 40), encode_hello("")[0][:8]):
         with socket.create_connection(("127.0.0.1", server.ports["data"]), timeout=10) as sock:
             sock.sendall(garbage)
-            if len(garbage) >= 16:
-                assert _closed(sock)  # a frame the protocol forbids ends the connection
+            if len(garbage) >= 16:  # a frame the protocol forbids: ERROR with the reason, hang up
+                _refused_then_closed(sock)
     with _data_conn(server) as sock:  # a frame out of place after the handshake
         send_all(sock, encode_hello(""))
-        assert _closed(sock)
+        assert "unexpected HELLO" in _refused_then_closed(sock)
     with _data_conn(server) as sock:  # GET whose body does not hold count keys
         sock.sendall(encode_header(4, 0, 2, 32) + b"k" * 32)
-        assert _closed(sock)
-    key = make_keys(1, seed=46)[0]
+        _refused_then_closed(sock)
+    key, first = make_keys(2, seed=46)
     for frames in ([encode_put_ref(key, 0, 100)],                      # a reference, no segment
                    [encode_shm_mapped(True)],                          # no segment pending
-                   [encode_shm_open(), encode_shm_mapped(True), encode_put_ref(key, 64 << 20, 10)]):
-        with _data_conn(server) as sock:  # the last: a reference past the segment's end
+                   [encode_shm_open(), encode_shm_mapped(True), encode_put_ref(key, 64 << 20, 10)],
+                   # item 0 is good, item 1 breaks the protocol: item 0 must not stay either
+                   [encode_put(first, make_chunk(first, 2000), more=True), encode_put_ref(key, 0, 100)]):
+        with _data_conn(server) as sock:  # the third: a reference past the segment's end
             for f in frames:
                 send_all(sock, f)
-            while True:  # skip SHM_READY; then the server hangs up
-                try:
-                    if not sock.recv(65536):
-                        break
-                except ConnectionResetError:
-                    break
+            _refused_then_closed(sock)
+        assert _stored(server, [key, first]) == 0  # nothing of the refused frames was stored
     with _data_conn(server) as sock:  # refused chunks: ERROR reply, connection still usable
-        a, b = make_keys(2, seed=44)
+        a, b, big = make_keys(3, seed=44)
         chunk = make_chunk(a, 3000)
         reader = FrameReader(limits)
         for key, data, code in ((b, chunk, Code.INVALID_ARGUMENT), (a, _corrupt(chunk, 500), Code.DATA_LOSS),
-                                (a, make_chunk(a, MAX_CHUNK + 10), None)):
+                                (big, make_chunk(big, MAX_CHUNK + 10), None)):
             if code is None:  # over the data path's frame limit: a protocol error, hang up
                 try:  # the server may hang up while the body is still being sent
                     send_all(sock, encode_put(key, data))
                 except (BrokenPipeError, ConnectionResetError):
                     pass
-                assert _closed(sock)
+                try:
+                    _refused_then_closed(sock)
+                except ConnectionResetError:  # unread body bytes make the close a reset
+                    pass
+                assert _stored(server, [big]) == 0
                 break
             send_all(sock, encode_put(key, data))
             frame = read_frame(sock, reader)
             assert frame.type == ERROR and frame.header.count == code.value[0], bytes(frame.body)
+            assert _stored(server, [b]) == 0  # the refused item was not stored
             send_all(sock, encode_put(a, chunk))
             frame = read_frame(sock, reader)
             assert frame.type == PUT_REPLY and bytes(frame.body) == b"\x01"
             send_all(sock, encode_get([a]))
             assert read_frame(sock, reader).type == CHUNK
     assert_serving(server)
+
+
+def test_refused_put_batch_leaves_nothing(server: ServerProc) -> None:
+    """A data-path PUT batch is all or nothing, like the gRPC Put: item 1 refused (bad
+    checksum) -> ERROR, and item 0, already stored when item 1 arrived, is removed again;
+    a chunk that existed before the batch stays."""
+    before, a, b = make_keys(3, seed=47)
+    with _data_conn(server) as sock:
+        reader = FrameReader(WireLimits(MAX_CHUNK, MAX_KEYS))
+        send_all(sock, encode_put(before, make_chunk(before, 1000)))
+        assert read_frame(sock, reader).type == PUT_REPLY
+        send_all(sock, [*encode_put(before, make_chunk(before, 1000), more=True),
+                        *encode_put(a, make_chunk(a, 1000), more=True),
+                        *encode_put(b, _corrupt(make_chunk(b, 1000), 500), more=True),
+                        *encode_put(a, make_chunk(a, 1000))])  # drained, not stored
+        frame = read_frame(sock, reader)
+        assert frame.type == ERROR and frame.header.count == Code.DATA_LOSS.value[0]
+        assert "item 2" in bytes(frame.body).decode(), bytes(frame.body)
+    assert _stored(server, [a, b]) == 0
+    assert _stored(server, [before]) == 1
 
 
 # --- fuzz the request decoding (in process: the exact functions the servicer calls) ----------------

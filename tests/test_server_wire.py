@@ -24,6 +24,7 @@ from kvtier.protocol.frames import (
     FrameReader,
     ProtocolError,
     PutItem,
+    ShmOffer,
     ShmRef,
     WireLimits,
     encode_chunk,
@@ -199,8 +200,9 @@ def test_shared_memory_frames() -> None:
     session = ServerSession(LIMITS)
     session.accept(_frames(join(encode_hello("")))[0])
     assert session.accept(_frames(join(encode_shm_open()))[0]) == ShmControl(SHM_OPEN, 0)
-    (ready,) = _frames(join(encode_shm_ready("kvtier-1-ab", 1 << 20)))
-    assert parse_shm_ready(ready) == ("kvtier-1-ab", 1 << 20)
+    offer = ShmOffer("kvtier-shm-ab", "t" * 32, 1 << 20)
+    (ready,) = _frames(join(encode_shm_ready(offer)))
+    assert parse_shm_ready(ready) == offer
     assert session.accept(_frames(join(encode_shm_mapped(True)))[0]) == ShmControl(SHM_MAPPED, 1)
     key, parent = make_keys(2, seed=3)
     item = parse_put(_frames(join(encode_put_ref(key, 4096, 1000, depth=7, parent=parent, more=True)))[0])
@@ -213,8 +215,9 @@ def test_shared_memory_frames() -> None:
     assert ShmRef(64, 100).within(164) and not ShmRef(64, 100).within(163)
     with pytest.raises(ProtocolError, match="reference of 3 bytes"):  # a ref body must be 16 bytes
         GetReplyCollector(1).accept(_frames(encode_header(CHUNK, 4, 0, 3) + b"abc")[0])
-    with pytest.raises(ProtocolError, match="name and a positive size"):
-        parse_shm_ready(_frames(join(encode_shm_ready("x", 0)))[0])
+    for bad in (ShmOffer("x", "t", 0), ShmOffer("", "t", 1), ShmOffer("x", "", 1)):
+        with pytest.raises(ProtocolError, match="socket, a ticket and a positive size"):
+            parse_shm_ready(_frames(join(encode_shm_ready(bad)))[0])
 
 
 def test_collector_checks_order_and_errors() -> None:

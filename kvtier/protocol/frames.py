@@ -23,13 +23,15 @@ close. Then any number of requests, one at a time per connection:
 - PUT (count = depth, flags MORE/PARENT, body = key ‖ [parent] ‖ chunk), repeated with MORE
   set on all but the batch's last -> PUT_REPLY (count = n, body = n bytes 1/0 stored) or ERROR.
 
-Shared memory (same host): SHM_OPEN -> SHM_READY (body = JSON name, size of a segment the
-server made in /dev/shm for this connection) -> the client maps it and answers SHM_MAPPED
-(count = 1, or 0 when it could not; the server then unlinks the name either way). From then on
-a chunk may travel as a reference instead of inline: a CHUNK or PUT with flag SHM carries
-``offset ‖ length`` (u64 each) in place of the chunk bytes. Each request uses the segment from
-offset 0 (one request at a time per connection, so nothing is overwritten while in use); a
-chunk that does not fit goes inline.
+Shared memory (same host): SHM_OPEN -> SHM_READY (body = JSON ``socket``, ``ticket``, ``size``
+of a sealed memfd the server made for this connection) -> the client connects to the abstract
+Unix socket ``"\\0" + socket``, sends the ticket, receives the descriptor (SCM_RIGHTS), maps
+it and answers SHM_MAPPED (count = 1, or 0 when it could not); no segment ever has a name.
+Then a chunk may travel as a reference: a CHUNK or PUT with flag SHM carries ``offset ‖
+length`` (u64 each) in place of the chunk bytes. Each request uses the segment from offset 0
+(one request at a time per connection); a chunk that does not fit goes inline.
+
+Before HELLO a server accepts only HELLO-sized frames (:meth:`WireLimits.handshake`).
 
 Ownership: a frame's ``body`` is a view into the reader's buffer (valid until the next frame),
 into the caller's target buffer (see ``body_target``) or, from :meth:`FrameReader.feed`, into
@@ -62,6 +64,7 @@ PARENT = 2
 SHM = 4
 _REF = struct.Struct("<QQ")
 _SMALL = 64 << 10  # bound of control bodies (HELLO, WELCOME, ERROR, MISS)
+HELLO_MAX = 4096  # a bearer token is at most 4096 characters (kvtier.server.auth)
 
 
 class ProtocolError(Exception):
@@ -72,6 +75,12 @@ class ProtocolError(Exception):
 class WireLimits:
     max_chunk_bytes: int = 32 << 20
     max_batch_keys: int = 4096
+    max_control_bytes: int = _SMALL
+
+    @classmethod
+    def handshake(cls) -> WireLimits:
+        """Before authentication: no chunk, no keys, control bodies (HELLO) up to HELLO_MAX."""
+        return cls(0, 0, HELLO_MAX)
 
     def max_body(self, ftype: int) -> int:
         if ftype in (CHUNK, PUT):
@@ -80,7 +89,7 @@ class WireLimits:
             return self.max_batch_keys * KEY_BYTES
         if ftype == PUT_REPLY:
             return self.max_batch_keys
-        return _SMALL
+        return self.max_control_bytes
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,8 @@ class FrameReader:
                 raise ValueError(f"body target of {target.nbytes} bytes for a {header.length}-byte body")
             return target[: header.length]
         if len(self._own) < header.length:
-            self._own = bytearray(max(header.length, 2 * len(self._own)))
+            # Doubling amortises growth, never past what the largest frame may need.
+            self._own = bytearray(max(header.length, min(2 * len(self._own), self.limits.max_body(PUT))))
         return memoryview(self._own)[: header.length]
 
     def _finish(self, body: memoryview) -> Frame:
@@ -257,8 +267,8 @@ def encode_shm_open() -> Buffers:
     return [encode_header(SHM_OPEN, 0, 0, 0)]
 
 
-def encode_shm_ready(name: str, size: int) -> Buffers:
-    body = json.dumps({"name": name, "size": size}).encode()
+def encode_shm_ready(offer: ShmOffer) -> Buffers:
+    body = json.dumps({"socket": offer.socket, "ticket": offer.ticket, "size": offer.size}).encode()
     return [encode_header(SHM_READY, 0, 0, len(body)), body]
 
 
@@ -373,13 +383,23 @@ def parse_put(frame: Frame) -> PutItem:
     return PutItem(bytes(body[:KEY_BYTES]), parent, frame.header.count, chunk, bool(frame.header.flags & MORE))
 
 
-def parse_shm_ready(frame: Frame) -> tuple[str, int]:
+@dataclass(frozen=True)
+class ShmOffer:
+    """SHM_READY: where to fetch the segment's descriptor, with which ticket, and its size."""
+
+    socket: str  # abstract Unix socket name, without the leading NUL
+    ticket: str
+    size: int
+
+
+def parse_shm_ready(frame: Frame) -> ShmOffer:
     expect_type(frame, SHM_READY)
     info = parse_welcome(Frame(FrameHeader(WELCOME, 0, 0, frame.header.length), frame.body))
-    name, size = info.get("name"), info.get("size")
-    if not isinstance(name, str) or not isinstance(size, int) or size <= 0:
-        raise ProtocolError("SHM_READY needs a name and a positive size")
-    return name, size
+    sock, ticket, size = info.get("socket"), info.get("ticket"), info.get("size")
+    if (not isinstance(sock, str) or not sock or not isinstance(ticket, str) or not ticket
+            or not isinstance(size, int) or isinstance(size, bool) or size <= 0):
+        raise ProtocolError("SHM_READY needs a socket, a ticket and a positive size")
+    return ShmOffer(sock, ticket, size)
 
 
 def parse_put_reply(frame: Frame, expected: int) -> list[bool]:

@@ -99,7 +99,9 @@ class KVTierServer:
             from kvtier.server.dataplane import DataPlane
 
             self.data = DataPlane(self.storage, self.auth, limits, self.metrics, tls_ctx,
-                                  cfg.max_data_connections, cfg.shm_bytes)
+                                  cfg.max_data_connections, cfg.shm_bytes,
+                                  cfg.max_unauthenticated_connections, cfg.handshake_timeout_s,
+                                  cfg.max_data_connections_per_tenant)
             self.ports["data"] = self.data.start(cfg.host, cfg.data_port)
             endpoints.append(Endpoint("socket", self.ports["data"], tls_ctx is not None))
             if self.data.shm_bytes:  # same data port: SHM_OPEN upgrades a connection

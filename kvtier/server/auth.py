@@ -1,6 +1,7 @@
 """Bearer tokens -> tenants.
 
-Tokens file format (one token per line; ``#`` starts a comment; blank lines ignored)::
+Tokens file format (one token per line; ``#`` at the start of a line or after a space starts
+a comment, so a token may itself contain ``#``; blank lines ignored)::
 
     <token> <tenant> [<quota>] [admin]
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 _TENANT = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")  # never "." or ".." (a directory name)
+_COMMENT = re.compile(r"(?:^|\s)#")  # "#" inside a token is part of it
 _TOKEN = re.compile(r"^[\x21-\x7e]{16,4096}$")
 MIN_TOKEN_CHARS = 16
 
@@ -122,7 +124,7 @@ def parse_tokens(text: str, where: str = "tokens") -> dict[str, Tenant]:
     tokens: dict[str, Tenant] = {}
     by_name: dict[str, Tenant] = {}
     for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
+        line = _COMMENT.split(raw, 1)[0].strip()
         if not line:
             continue
         at = f"{where}:{lineno}"

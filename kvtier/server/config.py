@@ -69,6 +69,13 @@ class ServerConfig:
     # Threads that run blocking tier calls for the gRPC side (the event loop never does).
     workers: int = field(default=4, metadata=value_range(1, 256))
     max_data_connections: int = field(default=256, metadata=value_range(1, 65536))
+    # Data connections that have not authenticated yet: their own small cap (a new one pushes
+    # out the oldest) and a hard deadline for TLS + HELLO, so no token-less peer holds slots.
+    # Each data connection may hold shm_bytes of segment + max_chunk_bytes of scratch that no
+    # quota counts: one tenant gets at most this many (0 = max_data_connections).
+    max_data_connections_per_tenant: int = field(default=64, metadata=value_range(0, 65536))
+    max_unauthenticated_connections: int = field(default=32, metadata=value_range(1, 4096))
+    handshake_timeout_s: float = field(default=5.0, metadata=value_range(0.1, 600))
     # Shared-memory segment per data-path connection of a same-host client (0 = no shm path).
     # Reserved in /dev/shm (RAM) for the connection's life; chunks beyond it travel inline.
     shm_bytes: int = field(default=32 * MiB, metadata=value_range(0, 4 * GiB, size=True))

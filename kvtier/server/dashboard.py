@@ -154,7 +154,7 @@ def node_summary(doc: Mapping[str, Any], address: str = "", latency_s: float = 0
                 agg[k] += int(tier.get(k, 0))
             agg["hit_chunks"] += int((lookup.get("hit_chunks") or {}).get(tier["name"], 0))
             agg["hit_chunks"] += int((get.get("hit_chunks") or {}).get(tier["name"], 0))
-            agg["evictions"].update(tier.get("evictions") or {})
+            agg["evictions"].update({str(k): int(v) for k, v in (tier.get("evictions") or {}).items()})
         tenants.append({
             "tenant": t.get("tenant", "?"), "used_bytes": int(t.get("used_bytes", 0)),
             "quota_bytes": int(t.get("quota_bytes", 0)), "entries": int(t.get("entries", 0)),
@@ -194,6 +194,20 @@ def down_node(reply: PeerReply) -> dict[str, Any]:
             "tiers": [], "tenants": [], "totals": {}}
 
 
+def _peer_summary(reply: PeerReply) -> dict[str, Any]:
+    """A peer's entry; a document that is JSON but not shaped like /api/stats (``"used_bytes":
+    "lots"``, a tier without ``name``) makes that peer down with the reason, never the page."""
+    assert reply.doc is not None
+    try:
+        summary = node_summary(reply.doc, reply.address, reply.elapsed_s)
+        json.dumps(summary)  # what the page serves must serialise
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        log.info("peer %s: bad /api/stats document: %r", reply.address, exc)
+        return down_node(PeerReply(reply.address, None, f"bad stats document: {type(exc).__name__}: {exc}",
+                                   reply.elapsed_s))
+    return summary
+
+
 def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
                      now: float | None = None) -> dict[str, Any]:
     """This node first, then each peer in order (a peer that is this node is dropped, so
@@ -204,7 +218,7 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
         if reply.doc is None:
             nodes.append(down_node(reply))
         elif str(reply.doc.get("node_id", "")) != me:
-            nodes.append(node_summary(reply.doc, reply.address, reply.elapsed_s))
+            nodes.append(_peer_summary(reply))
     up = [n for n in nodes if n["up"]]
     total: Counter[str] = Counter()
     evictions: Counter[str] = Counter()

@@ -8,18 +8,25 @@ does. Connections are bounded (``max_data_connections``).
 
 Security: the first frame must be HELLO with a bearer token the same :class:`Authenticator`
 as the gRPC side accepts; the connection then serves that tenant's store only. TLS (and mTLS)
-uses the gRPC side's certificates. A client that says nothing within HANDSHAKE_TIMEOUT_S, or
-sends a frame the protocol forbids, is disconnected.
+uses the gRPC side's certificates. Until HELLO is accepted a peer may send only HELLO-sized
+frames, holds one of a few unauthenticated slots and has ``handshake_s`` in all (see
+:mod:`kvtier.server.admission`). A frame the protocol forbids gets an ERROR frame with the
+reason (INVALID_ARGUMENT) and the connection is closed.
 
-Shared memory (same host, ``shm_bytes`` > 0): on SHM_OPEN the server creates a segment in
-/dev/shm (mode 0600, random name) for this connection, the client maps it and says so, and the
-name is unlinked at once (the mapping lives until the connection ends; nothing is left behind
-even if either side is killed after that point). GET replies then copy each chunk from the
-tier straight into the segment and send a 16-byte reference; PUTs reference chunks the client
-wrote there. The kernel copies nothing. A client that cannot open the segment (another user,
-another /dev/shm) keeps using the socket. Trust: the server verifies a PUT chunk in the shared
-segment and then copies it; a client that rewrites its bytes in between can only corrupt its
-own tenant's chunk, which readers refuse by checksum.
+PUT batches are all or nothing, as on the gRPC side: items are checked as they arrive; when
+one is refused the chunks this batch newly stored are removed again and the reply is one
+ERROR, so a refused batch leaves nothing behind (chunks that were there before stay).
+
+Shared memory (same host, ``shm_bytes`` > 0): on SHM_OPEN the server makes a sealed memfd
+for this connection and hands its descriptor to the client over a one-shot Unix socket
+(:mod:`kvtier.server.shm`; no name in /dev/shm ever exists, and no one can shrink it under
+the server's mapping). GET replies then copy each chunk from the tier straight into the
+segment and send a 16-byte reference; PUTs reference chunks the client wrote there. The
+kernel copies nothing. A client that cannot take the segment keeps using the socket. Trust:
+the server verifies a PUT chunk in the segment and then copies it; a client that rewrites
+its bytes in between can only corrupt its own tenant's chunk, which readers refuse by
+checksum. Each segment is this connection's own: no other connection, tenant or process
+is handed its descriptor.
 
 Draining (SIGTERM): the listener closes; connections idle between requests are shut down;
 a connection inside a request finishes it, then closes.
@@ -29,8 +36,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
-import secrets
 import socket
 import ssl
 import threading
@@ -44,6 +49,7 @@ from kvtier.protocol.frames import (
     FrameReader,
     ProtocolError,
     PutItem,
+    ShmOffer,
     ShmRef,
     WireLimits,
     encode_chunk,
@@ -56,6 +62,8 @@ from kvtier.protocol.frames import (
 )
 from kvtier.protocol.session import ServerSession, ShmControl
 from kvtier.protocol.socket_io import read_frame, send_all
+from kvtier.server import shm as shm_segment
+from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import BadRequest, Limits, make_entry
@@ -63,57 +71,26 @@ from kvtier.server.storage import Storage, TenantStore
 from kvtier.tiers.base import Miss
 
 log = logging.getLogger(__name__)
-SHM_DIR = "/dev/shm"
-HANDSHAKE_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 600.0
+ERROR_SEND_S = 1.0  # at most this long to tell a misbehaving peer why it is cut off
 Buffer = bytes | memoryview
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
-class _Segment:
-    """This connection's shared segment: created, named until the client mapped it, then
-    anonymous (unlinked) until the connection closes."""
+class _Batch:
+    """The PUT batch in progress on a connection: per-item results, the first refusal, and
+    the keys it newly stored (removed again if the batch is refused)."""
 
     def __init__(self) -> None:
-        self.name = ""
-        self.mapping: mmap.mmap | None = None
-        self.view: memoryview | None = None
-
-    def create(self, size: int) -> None:
-        self.name = f"kvtier-{os.getpid()}-{secrets.token_hex(12)}"
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            # Reserve every page now: a sparse file on a small tmpfs (Docker's 64 MiB /dev/shm)
-            # would SIGBUS a writer later instead of failing here with ENOSPC.
-            os.posix_fallocate(fd, 0, size)
-            self.mapping = mmap.mmap(fd, size)
-        except OSError:
-            self.unlink()
-            raise
-        finally:
-            os.close(fd)
-
-    def unlink(self) -> None:
-        if self.name:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
-            self.name = ""
-
-    def close(self) -> None:
-        self.unlink()
-        self.view = None
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
-                pass
-            self.mapping = None
+        self.flags: list[bool] = []
+        self.error: BadRequest | None = None
+        self.new_keys: list[bytes] = []
 
 
 class DataPlane:
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
-                 tls: ssl.SSLContext | None, max_connections: int, shm_bytes: int = 0) -> None:
+                 tls: ssl.SSLContext | None, max_connections: int, shm_bytes: int = 0,
+                 max_unauthenticated: int = 32, handshake_s: float = 5.0, max_per_tenant: int = 0) -> None:
         self.storage = storage
         self.auth = auth
         self.limits = limits
@@ -121,10 +98,11 @@ class DataPlane:
         self.metrics = metrics
         self.tls = tls
         self.max_connections = max_connections
-        self.shm_bytes = shm_bytes if os.path.isdir(SHM_DIR) else 0
+        self.shm_bytes = shm_bytes if shm_segment.AVAILABLE else 0
+        self.admission = Admission(max_connections, max_unauthenticated, handshake_s, max_per_tenant)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
-        self._conns: dict[socket.socket, bool] = {}  # connection -> idle between requests
+        self._conns: set[Conn] = set()
         self._threads: set[threading.Thread] = set()
         self._draining = False
 
@@ -139,6 +117,7 @@ class DataPlane:
             sock.close()
             raise
         self._listener = sock
+        self.admission.start()
         thread = threading.Thread(target=self._accept_loop, name="kvtier-data-accept", daemon=True)
         thread.start()
         return int(sock.getsockname()[1])
@@ -148,105 +127,100 @@ class DataPlane:
         assert listener is not None
         while not self._draining:
             try:
-                conn, peer = listener.accept()
+                sock, peer = listener.accept()
             except OSError:
                 return  # listener closed (draining)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Conn(sock)
             with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns[conn] = True
-            if full:
-                self._refuse(conn)
-                continue
+                self._conns.add(conn)
+            self.admission.arrive(conn)  # may push out the oldest unauthenticated connection
             thread = threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-data", daemon=True)
             with self._lock:
                 self._threads.add(thread)
             thread.start()
 
-    def _refuse(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(1.0)
-            send_all(conn, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                                        f"max_data_connections={self.max_connections} reached"))
-        except OSError:
-            pass
-        conn.close()
-
-    def _serve(self, raw: socket.socket, peer: object) -> None:
+    def _serve(self, conn: Conn, peer: object) -> None:
         self.metrics.data_connections.inc()
-        conn = raw
         try:
-            raw.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.sock.settimeout(self.admission.handshake_s)  # the reaper enforces the total
             if self.tls is not None:
-                conn = self.tls.wrap_socket(raw, server_side=True)
-                with self._lock:
-                    self._conns[conn] = self._conns.pop(raw, True)
+                conn.sock = self.tls.wrap_socket(conn.sock, server_side=True)
             self._converse(conn)
-        except (ProtocolError, ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
+        except ProtocolError as exc:
+            log.info("data path %s: protocol error, connection closed: %s", peer, exc)
+            self._send_error(conn.sock, INVALID, f"protocol error: {exc}")
+        except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
             log.debug("data path %s: connection ended: %s", peer, exc)
         finally:
+            self.admission.leave(conn)  # before close: no shutdown may reach a reused fd
             with self._lock:
-                self._conns.pop(conn, None)
-                self._conns.pop(raw, None)
+                self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
-            conn.close()
+            conn.sock.close()
             self.metrics.data_connections.dec()
 
-    def _converse(self, conn: socket.socket) -> None:
-        reader = FrameReader(self.wire_limits)
+    @staticmethod
+    def _send_error(sock: socket.socket, code: int, message: str) -> None:
+        """Best effort: the stream may be half-closed already; the connection ends anyway."""
+        try:
+            sock.settimeout(ERROR_SEND_S)
+            send_all(sock, encode_error(code, message))
+        except (OSError, ssl.SSLError):
+            pass
+
+    def _converse(self, conn: Conn) -> None:
+        sock = conn.sock
         session = ServerSession(self.wire_limits)
-        token = session.accept(read_frame(conn, reader))
+        # Before the token is accepted nothing larger than a HELLO is ever allocated.
+        token = session.accept(read_frame(sock, FrameReader(WireLimits.handshake())))
         assert isinstance(token, str)
         try:
             tenant = self.auth.authenticate(token or None)
         except AuthError as exc:
             self.metrics.auth_failures.labels(exc.code).inc()
-            send_all(conn, encode_error(getattr(grpc.StatusCode, exc.code).value[0], exc.message))
+            send_all(sock, encode_error(getattr(grpc.StatusCode, exc.code).value[0], exc.message))
             return
-        send_all(conn, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
+        refused = self.admission.authenticate(conn, tenant.name)
+        if refused:
+            send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], refused))
+            return
+        send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
                                        "max_batch_keys": self.limits.max_batch_keys}))
         store = self.storage.store(tenant.name)
+        reader = FrameReader(self.wire_limits)
         # Reused for every chunk this connection sends. An anonymous mapping: pages become
         # resident only when first written, and then stay (no per-request page faults).
         scratch_map = mmap.mmap(-1, self.limits.max_chunk_bytes)
         scratch = memoryview(scratch_map)
-        conn.settimeout(IDLE_TIMEOUT_S)
-        put_flags: list[bool] = []
-        put_error: BadRequest | None = None
-        seg = _Segment()
+        sock.settimeout(IDLE_TIMEOUT_S)
+        batch = _Batch()
+        seg = shm_segment.Segment()
         try:
             while not self._draining:
-                self._set_idle(conn, not put_flags)
-                frame = read_frame(conn, reader)
-                self._set_idle(conn, False)
+                conn.idle = not batch.flags
+                frame = read_frame(sock, reader)
+                conn.idle = False
                 request = session.accept(frame)
                 if isinstance(request, ShmControl):
-                    self._shm_control(conn, seg, request)
+                    self._shm_control(sock, seg, request)
                     continue
                 if isinstance(request, list):
-                    self._get(conn, store, request, scratch, seg.view)
+                    self._get(sock, store, request, scratch, seg.view)
                     continue
                 assert isinstance(request, PutItem)
-                if put_error is None:
-                    try:
-                        put_flags.append(self._put(store, request, len(put_flags), seg.view))
-                    except BadRequest as exc:
-                        put_error = exc
-                        self.metrics.rejected.labels(exc.code.name).inc()
-                        put_flags.append(False)
-                else:
-                    put_flags.append(False)  # after a refused item the batch is only drained
+                self._put_item(store, request, batch, seg.view)
                 if not request.more:
-                    self._reply_put(conn, put_flags, put_error)
-                    put_flags, put_error = [], None
+                    self._reply_put(sock, store, batch)
+                    batch = _Batch()
         finally:
+            self._undo(store, batch)  # a batch that never got its reply leaves nothing behind
             seg.close()
 
-    def _shm_control(self, conn: socket.socket, seg: _Segment, request: ShmControl) -> None:
+    def _shm_control(self, sock: socket.socket, seg: shm_segment.Segment, request: ShmControl) -> None:
         if request.type == SHM_OPEN:
             if not self.shm_bytes or seg.mapping is not None:
-                send_all(conn, encode_error(grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                send_all(sock, encode_error(grpc.StatusCode.FAILED_PRECONDITION.value[0],
                                             "shared memory is off on this server" if not self.shm_bytes
                                             else "this connection has its segment already"))
                 return
@@ -254,42 +228,58 @@ class DataPlane:
                 seg.create(self.shm_bytes)
             except OSError as exc:
                 log.warning("data path: no shared segment (%s); this connection stays on the socket", exc)
-                send_all(conn, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"no shared segment: {exc}"))
+                send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"no shared segment: {exc}"))
                 return
-            send_all(conn, encode_shm_ready(seg.name, self.shm_bytes))
+            send_all(sock, encode_shm_ready(ShmOffer(seg.address, seg.ticket, self.shm_bytes)))
+            seg.hand_off(sock)
             return
-        if seg.mapping is None or seg.view is not None:
+        if not seg.pending:
             raise ProtocolError("SHM_MAPPED without a pending segment")
-        seg.unlink()  # mapped or not, the name has served its purpose
         if request.ok:
-            seg.view = memoryview(seg.mapping)
+            seg.view = memoryview(seg.mapping)  # type: ignore[arg-type]  # pending: mapped
         else:
             seg.close()
 
-    def _set_idle(self, conn: socket.socket, idle: bool) -> None:
-        with self._lock:
-            if conn in self._conns:
-                self._conns[conn] = idle
-
-    def _put(self, store: TenantStore, item: PutItem, index: int, shm: memoryview | None) -> bool:
+    def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None) -> None:
+        """Store one item of ``batch`` unless an earlier one was refused (then it is only drained)."""
+        if batch.error is not None:
+            batch.flags.append(False)
+            return
         chunk = item.chunk
         path = "socket"
         if isinstance(chunk, ShmRef):
             if shm is None or not chunk.within(shm.nbytes):
                 raise ProtocolError(f"PUT references {chunk} outside any mapped segment")
             chunk, path = shm[chunk.offset : chunk.offset + chunk.length], "shm"
-        entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, index)
+        try:
+            entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, len(batch.flags))
+        except BadRequest as exc:
+            batch.error = exc
+            batch.flags.append(False)
+            self.metrics.rejected.labels(exc.code.name).inc()
+            return
+        # Probed tier by tier, not by store.probe: that one counts as a client lookup.
+        new = not any(tier.probe([item.key]).hits for tier in store.tiers)
         ok = store.put([entry])[0]
+        if ok and new:
+            batch.new_keys.append(item.key)
+        batch.flags.append(ok)
         self.metrics.bytes.labels("in", path).inc(chunk.nbytes)
-        return ok
 
-    def _reply_put(self, conn: socket.socket, flags: list[bool], error: BadRequest | None) -> None:
-        code = "OK" if error is None else error.code.name
-        self.metrics.requests.labels("data.Put", code).inc()
+    @staticmethod
+    def _undo(store: TenantStore, batch: _Batch) -> None:
+        if batch.new_keys:
+            store.delete(batch.new_keys)
+            batch.new_keys = []
+
+    def _reply_put(self, sock: socket.socket, store: TenantStore, batch: _Batch) -> None:
+        error = batch.error
+        self.metrics.requests.labels("data.Put", "OK" if error is None else error.code.name).inc()
         if error is not None:
-            send_all(conn, encode_error(error.code.value[0], error.message))
+            self._undo(store, batch)
+            send_all(sock, encode_error(error.code.value[0], error.message))
         else:
-            send_all(conn, encode_put_reply(flags))
+            send_all(sock, encode_put_reply(batch.flags))
 
     def _get(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
              shm: memoryview | None) -> None:
@@ -339,13 +329,11 @@ class DataPlane:
             except OSError:
                 pass
             self._listener.close()
-        with self._lock:
-            idle = [c for c, is_idle in self._conns.items() if is_idle]
-        for conn in idle:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv with EOF
-            except OSError:
-                pass
+        self.admission.stop()
+        with self._lock:  # held: a connection leaves the set before its socket is closed
+            for conn in self._conns:
+                if conn.idle:
+                    conn.shutdown()  # wakes its thread's recv with EOF
 
     def join(self, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -354,9 +342,5 @@ class DataPlane:
         for thread in threads:
             thread.join(max(0.0, end - time.monotonic()))
         with self._lock:
-            left = list(self._conns)
-        for conn in left:  # past the grace period: cut them
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for conn in self._conns:  # past the grace period: cut them
+                conn.shutdown()

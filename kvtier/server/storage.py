@@ -7,10 +7,14 @@ capacity of the tenant's tiers (eviction stays inside the quota and never touche
 tenant), and a restart rebuilds each tenant's index from its own directory
 (``<disk.path>/tenants/<tenant>``) because chunk headers carry client keys, not storage keys.
 
-Capacity: each of the ``n`` tenants gets ``min(quota, capacity // n)`` of each tier, where
-quota is the tenant's own or ``default_quota_bytes`` (0 = no quota beyond the share). With a
-disk tier the chunks are written through to disk (a Put is acknowledged once it is on disk,
-so it survives ``kill -9``) and the RAM tier caches them; without one RAM holds everything.
+Capacity: with a disk tier, quotas are caps on one shared disk budget
+(:mod:`kvtier.server.pool`): a tenant may use up to its quota (or the whole budget without
+one) while others leave room, and is guaranteed ``min(quota, capacity // n)``. The chunks are
+written through to disk (a Put is acknowledged once it is on disk, so it survives
+``kill -9``) and the RAM tier caches them with a fixed per-tenant share. Without a disk tier
+RAM holds everything and each of the ``n`` tenants gets ``min(quota, capacity // n)`` of it
+(its arena is allocated up front), where quota is the tenant's own or
+``default_quota_bytes`` (0 = no quota beyond the share).
 
 Threads: every method may be called from any thread (the tiers serialise themselves); calls
 block on file I/O, so the gRPC side runs them in its executor. No torch is ever imported:
@@ -30,6 +34,7 @@ from typing import Any
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import Tenant
+from kvtier.server.pool import DiskPool
 from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
@@ -96,7 +101,8 @@ class TenantStore:
     """One tenant's chunks. ``ram`` may be absent (cpu disabled), ``disk`` too (disk
     disabled), never both. The bottom tier bounds the tenant: it is the quota."""
 
-    def __init__(self, tenant: Tenant, ram: CpuTier | None, disk: DiskTier | None) -> None:
+    def __init__(self, tenant: Tenant, ram: CpuTier | None, disk: DiskTier | None,
+                 pool: DiskPool | None = None) -> None:
         if ram is None and disk is None:
             raise ValueError("a tenant store needs a RAM tier, a disk tier or both")
         self.tenant = tenant
@@ -106,6 +112,7 @@ class TenantStore:
         self.bottom = self.tiers[-1]
         self.max_chunk_bytes = disk.capacity_bytes if disk is not None else ram.slot_bytes  # type: ignore[union-attr]
         self.traffic = Traffic()
+        self.pool = pool  # the shared disk budget, set by Storage once every tenant is built
 
     @property
     def quota_bytes(self) -> int:
@@ -203,6 +210,8 @@ class TenantStore:
             assert self.ram is not None
             stored = self.ram.put(entries)
         else:
+            if self.pool is not None:
+                self.pool.make_room(self.tenant.name, sum(memoryview(e.data).nbytes for e in entries))
             stored = self.disk.put(entries)
             if self.ram is not None:
                 kept = [e for e, ok in zip(entries, stored) if ok]
@@ -246,6 +255,7 @@ class Storage:
             raise ValueError("the server needs the cpu tier, the disk tier or both enabled")
         n = max(1, len(tenants))
         self.stores: dict[str, TenantStore] = {}
+        shares: dict[str, int] = {}  # guaranteed disk bytes per tenant
         try:
             for tenant in tenants:
                 quota = tenant.quota_bytes or default_quota_bytes
@@ -256,7 +266,8 @@ class Storage:
                     ram = CpuTier(dataclasses.replace(
                         cpu, capacity_bytes=cap, slot_bytes=slot, pin_memory="never"), name="cpu")
                 if disk.enabled:
-                    cap = _share(disk.capacity_bytes, n, quota)
+                    cap = max(MIN_TIER_BYTES, min(quota, disk.capacity_bytes) if quota else disk.capacity_bytes)
+                    shares[tenant.name] = _share(disk.capacity_bytes, n, quota)
                     path = Path(disk.path).expanduser() / "tenants" / tenant.name
                     disk_tier = DiskTier(dataclasses.replace(disk, path=str(path), capacity_bytes=cap),
                                          name="disk")
@@ -264,6 +275,11 @@ class Storage:
                     log.info("tenant %s: disk index rebuilt: %d chunks, %d bytes, %d bad files removed",
                              tenant.name, stats.files, stats.bytes, stats.bad)
                 self.stores[tenant.name] = TenantStore(tenant, ram, disk_tier)
+            if disk.enabled:
+                pool = DiskPool(disk.capacity_bytes, {n: s.disk for n, s in self.stores.items()
+                                                      if s.disk is not None}, shares)
+                for store in self.stores.values():
+                    store.pool = pool
         except BaseException:
             self.close()
             raise

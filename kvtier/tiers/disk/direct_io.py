@@ -156,9 +156,10 @@ def stale_tmp(entry: os.DirEntry[str]) -> bool:
 
 
 def unlink(path: str) -> bool:
-    """True when a file was removed; a missing one is not an error."""
+    """True when a file was removed; a missing one is not an error, nor is a directory
+    someone put where a file was expected (it is left alone)."""
     try:
         os.unlink(path)
         return True
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False

@@ -130,6 +130,19 @@ class DiskIndex(BoundedTier):
                 freed += victim[1]
         self._finish(pending)
 
+    def shed(self, nbytes: int) -> int:
+        """Evict chunks (policy order) until at least ``nbytes`` are freed or nothing is left;
+        returns the bytes freed. For an owner that shares one budget among several tiers
+        (kvtier-server's tenant pool). Lock NOT held; thread-safe."""
+        pending = Pending()
+        freed = 0
+        with self._lock:
+            while freed < nbytes and (victim := self._evict_one(pending)) is not None:
+                pending.doomed.append(self._path(victim[0]))
+                freed += victim[1]
+        self._finish(pending)
+        return freed
+
     def _forget(self, key: bytes) -> bool:
         """Take ``key`` out of the index (not its file); True if it was there."""
         size = self._index.pop(key, None)

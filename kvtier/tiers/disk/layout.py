@@ -5,8 +5,15 @@ Layout: ``<root>/<2 hex>/<64 hex key>.kvc`` holds an encoded chunk (``kvtier.chu
 zero-padded to 4096 bytes under O_DIRECT (the header carries the true length). Temp files are
 ``.<hex>.<pid>.<seq>.tmp`` beside it. A chunk file appears only by ``os.replace`` of a finished
 temp file, so a ``kill -9`` at any moment leaves either no file or a whole one. Start-up
-(:func:`scan`) finds the chunk files by their headers, deletes files whose header is bad or
-disagrees with their length, and removes temp files of dead writers.
+(:func:`scan`) finds the chunk files by their headers, deletes files of ours (kvtier chunk
+magic) whose header is bad or disagrees with their length, and removes temp files of dead
+writers; anything else with a chunk-like name (a file of someone else's, a directory, a FIFO,
+a symlink) is left alone, logged, and never opened in a way that could block or follow it.
+
+Private and link-proof: directories are made 0700 and files 0600 (KV is user data; the umask
+can only narrow that); every open of a chunk or temp file uses ``O_NOFOLLOW`` and checks it
+is a regular file, so a symlink planted in the tier directory is never followed, for reading
+or for writing (:func:`open_regular`).
 
 Everything here is stateless and knows nothing of the tier's index, capacity or lock: the
 tier (``kvtier.tiers.disk``) decides what to write, evict and keep. Failure: directory
@@ -19,23 +26,86 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvtier.chunk import HEADER_SIZE
+from kvtier.chunk import HEADER_SIZE, MAGIC
 from kvtier.errors import TierUnavailableError
 from kvtier.keys import KEY_BYTES
 from kvtier.tiers.disk import direct_io as io
 from kvtier.tiers.disk.direct_io import ALIGN
 
-__all__ = ["NOSPACE", "SUFFIX", "RebuildStats", "chunk_path", "make_shards", "probe_medium",
-           "scan", "tmp_path", "write_file"]
+__all__ = ["NOSPACE", "SUFFIX", "RebuildStats", "chunk_path", "make_private_dir", "make_shards",
+           "open_regular", "probe_medium", "read_head", "scan", "tmp_path", "write_file"]
 
 # The tier's logger: these lines are the disk tier's, whichever module emits them.
 log = logging.getLogger("kvtier.tiers.disk")
 
 SUFFIX = ".kvc"
 NOSPACE = (errno.ENOSPC, errno.EDQUOT)
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotRegular(OSError):
+    """A chunk-named path that is not a regular file (symlink, directory, FIFO, device)."""
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` without following a final symlink and without blocking on a FIFO;
+    raises :class:`NotRegular` unless it is a regular file (FileNotFoundError etc. as is)."""
+    try:
+        fd = os.open(path, flags | NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise NotRegular(exc.errno, f"{path} is not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegular(errno.EINVAL, f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_head(path: str) -> tuple[bytes, int]:
+    """The first HEADER_SIZE bytes of a regular file and its size (see :func:`open_regular`).
+    A file others may read (made by an older version) is narrowed to 0600 on the way."""
+    fd = open_regular(path)
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o077:
+            try:
+                os.fchmod(fd, FILE_MODE)
+            except PermissionError:  # not ours to change: the caller's checks still apply
+                pass
+        return os.pread(fd, HEADER_SIZE, 0), st.st_size
+    finally:
+        os.close(fd)
+
+
+def make_private_dir(path: str) -> None:
+    """``path`` and its missing parents, each created 0700 (an existing ``path`` is narrowed
+    to 0700 too: it is this tier's). Raises OSError, or NotADirectoryError for a symlink."""
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.lexists(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    for part in reversed(missing):
+        try:
+            os.mkdir(part, DIR_MODE)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, f"{path} is not a directory (a symlink?)")
+    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+        os.chmod(path, DIR_MODE)
 
 
 @dataclass(frozen=True)
@@ -62,10 +132,12 @@ def tmp_path(path: str, key: bytes, seq: int) -> str:
 
 
 def make_shards(root: str) -> None:
-    """Create ``root`` and its 256 shard directories (existing ones are fine)."""
+    """Create ``root`` and its 256 shard directories, private (existing ones are fine, and
+    narrowed to 0700); a shard that is a symlink or a file is refused."""
     try:
+        make_private_dir(root)
         for i in range(256):
-            os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
+            make_private_dir(os.path.join(root, f"{i:02x}"))
     except OSError as exc:
         raise TierUnavailableError(f"disk tier directory {root} cannot be created: "
                                    f"{exc.strerror or exc}") from exc
@@ -77,7 +149,8 @@ def probe_medium(root: str, direct: bool, scratch: io.Scratch, seq: Iterator[int
     whether O_DIRECT is to be used."""
     probe = os.path.join(root, f".probe.{os.getpid()}.{next(seq)}.tmp")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (io.O_DIRECT if direct else 0), 0o644)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | (io.O_DIRECT if direct else 0),
+                     FILE_MODE)
         try:
             os.write(fd, scratch.get(ALIGN)[:ALIGN])
         finally:
@@ -94,16 +167,18 @@ def probe_medium(root: str, direct: bool, scratch: io.Scratch, seq: Iterator[int
 
 def scan(root: str) -> tuple[list[tuple[int, bytes, int]], int, int]:
     """Find the chunk files under ``root``: ``(files, bad, tmp_removed)`` where ``files`` is
-    ``(mtime_ns, key, size)`` sorted oldest first. Files with a bad header or length and stale
-    temp files are deleted here; names that are not ours are left alone."""
+    ``(mtime_ns, key, size)`` sorted oldest first. Our files (chunk magic) with a bad header
+    or length and stale temp files are deleted here; names that are not ours, and entries
+    that are not regular files, are left alone (logged)."""
     found: list[tuple[int, bytes, int]] = []
     bad: list[str] = []
     tmp: list[str] = []
+    strangers = 0
     for shard in os.scandir(root):
         is_shard = len(shard.name) == 2 and shard.is_dir(follow_symlinks=False)
         for f in os.scandir(shard.path) if is_shard else [shard]:
             if f.name.endswith(".tmp"):
-                if io.stale_tmp(f):
+                if f.is_file(follow_symlinks=False) and io.stale_tmp(f):
                     tmp.append(f.path)
                 continue
             if (f is shard or not f.name.endswith(SUFFIX) or not f.name.startswith(shard.name)
@@ -111,17 +186,26 @@ def scan(root: str) -> tuple[list[tuple[int, bytes, int]], int, int]:
                 continue  # not ours: leave it alone
             try:
                 key = bytes.fromhex(f.name[: 2 * KEY_BYTES])
-                st = f.stat()
-                with open(f.path, "rb") as fh:
-                    io.check_header(fh.read(HEADER_SIZE), key, st.st_size)
-                found.append((st.st_mtime_ns, key, st.st_size))
+                head, size = read_head(f.path)
+            except (ValueError, OSError):  # not hex, not a regular file, unreadable
+                strangers += 1
+                continue
+            try:
+                io.check_header(head, key, size)
+                found.append((f.stat(follow_symlinks=False).st_mtime_ns, key, size))
             except (ValueError, OSError):  # ChunkError is a ValueError
-                bad.append(f.path)
+                if head[: len(MAGIC)] == MAGIC:
+                    bad.append(f.path)  # ours, damaged (torn by a crash, bit rot)
+                else:
+                    strangers += 1
     tmp_removed = sum(io.unlink(path) for path in tmp)
     for path in bad:
         io.unlink(path)
     if bad:
         log.warning("disk tier %s: deleted %d chunk files with a bad header or length", root, len(bad))
+    if strangers:
+        log.warning("disk tier %s: left alone %d entries with chunk names that are not kvtier chunk "
+                    "files (not regular files, or no chunk magic)", root, strangers)
     return sorted(found), len(bad), tmp_removed
 
 
@@ -135,7 +219,9 @@ def write_file(data: memoryview, size: int, tmp: str, path: str, reused: int, di
     for attempt in range(2):
         create = 0 if reused else os.O_CREAT | os.O_EXCL
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC | create | (io.O_DIRECT if direct else 0), 0o644)
+            # O_NOFOLLOW: a reused victim's file that is really a planted symlink is refused
+            # (ELOOP), never written through; created files are 0600.
+            fd = os.open(tmp, os.O_WRONLY | NOFOLLOW | create | (io.O_DIRECT if direct else 0), FILE_MODE)
             try:
                 if direct:
                     io.write_direct(fd, data, size, scratch)
@@ -151,7 +237,9 @@ def write_file(data: memoryview, size: int, tmp: str, path: str, reused: int, di
             io.unlink(tmp)
             reused = 0
             if attempt == 0 and exc.errno == errno.ENOENT:  # shard dir removed under us
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                make_private_dir(os.path.dirname(path))
+                continue
+            if attempt == 0 and exc.errno == errno.ELOOP:  # the reused file was a symlink
                 continue
             if attempt == 0 and direct and exc.errno == errno.EINVAL:
                 log.info("disk tier %s: O_DIRECT write refused, using buffered I/O", root)

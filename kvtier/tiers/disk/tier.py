@@ -47,9 +47,12 @@ from kvtier.tiers.disk.direct_io import ALIGN, align_up
 from kvtier.tiers.disk.index import DiskIndex, Pending
 from kvtier.tiers.disk.layout import (
     NOSPACE,
+    NotRegular,
     RebuildStats,
     make_shards,
+    open_regular,
     probe_medium,
+    read_head,
     tmp_path,
     write_file,
 )
@@ -85,10 +88,15 @@ class DiskTier(DiskIndex):
             self._readers[key] = self._readers.get(key, 0) + 1
         try:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (io.O_DIRECT if self.direct else 0))
+                fd = open_regular(path, os.O_RDONLY | (io.O_DIRECT if self.direct else 0))
             except FileNotFoundError:
                 with self._lock:
                     return Miss(EVICTED) if self._forget(key) else self._absent(key)  # a sharer evicted it
+            except NotRegular as exc:  # a planted symlink/FIFO/directory: never followed
+                log.warning("disk tier: %s", exc)
+                with self._lock:
+                    self._forget(key)
+                return Miss(CORRUPT)
             except OSError as exc:
                 log.warning("disk tier: cannot open %s: %s", path, exc)
                 return Miss(ERROR)
@@ -136,9 +144,10 @@ class DiskTier(DiskIndex):
                     if key in self._index:
                         hits += 1
                         continue
-                try:
-                    size = os.stat(self._path(key)).st_size
-                except OSError:
+                try:  # a regular file holding this key's chunk header, nothing less
+                    head, size = read_head(self._path(key))
+                    io.check_header(head, key, size)
+                except (OSError, ChunkError):
                     with self._lock:
                         return Probe(hits, self._absent(key).reason)
                 with self._lock:

@@ -4,7 +4,10 @@ and the shared-memory segment it may map.
 :class:`DataConn` reads kvtier.protocol.frames frames (chunk bodies straight into the caller's buffers
 when ``targets`` is set, else into fresh ``bytes`` with one ``MSG_WAITALL`` recv on plain
 TCP), bounds every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain
-TCP, ``settimeout`` under TLS), and maps the server's /dev/shm segment when asked to.
+TCP, ``settimeout`` under TLS), and maps the server's shared segment when asked to: a sealed
+memfd whose descriptor it fetches over the abstract Unix socket SHM_READY names, with the
+ticket SHM_READY carries (SCM_RIGHTS; no name in /dev/shm). The segment is mapped only if
+its size is sealed (F_SEAL_SHRINK): nothing can shrink it under this process's mapping.
 
 Ownership and threads: a connection belongs to one request at a time (the pool in
 ``kvtier.tiers.remote.data_path`` hands it out and takes it back); nothing here locks. Failure:
@@ -14,10 +17,10 @@ maps them to a node error); ``ValueError`` when a caller's buffer is too small.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
-import re
 import socket
 import ssl
 import struct
@@ -30,6 +33,7 @@ from kvtier.protocol.frames import (
     Frame,
     FrameReader,
     ProtocolError,
+    ShmOffer,
     ShmRef,
     WireLimits,
     encode_shm_mapped,
@@ -43,8 +47,7 @@ __all__ = ["DataConn"]
 # The data path's logger: these lines are the data path's, whichever module emits them.
 log = logging.getLogger("kvtier.tiers.remote.data_path")
 _REARM_S = 0.01
-_SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^kvtier-[0-9]+-[0-9a-f]{24}$")
+_SHM_SEALED = fcntl.F_SEAL_SHRINK
 
 
 class DataConn:
@@ -135,18 +138,21 @@ class DataConn:
         frame = self.read(deadline)
         if frame.type != SHM_READY:
             return False  # ERROR: the server has it off
-        name, size = parse_shm_ready(frame)
+        offer = parse_shm_ready(frame)
         mapping = None
-        if _SHM_NAME.match(name):
+        try:
+            fd = _fetch_fd(offer, deadline)
             try:
-                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
-                try:
-                    if os.fstat(fd).st_size >= size:  # mapping past the end would SIGBUS on use
-                        mapping = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.info("data path: cannot map the server's segment %s (%s): socket only", name, exc)
+                sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SHM_SEALED == _SHM_SEALED
+                if sealed and os.fstat(fd).st_size >= offer.size:  # else a use could SIGBUS
+                    mapping = mmap.mmap(fd, offer.size)
+                else:
+                    log.warning("data path: the server's segment is not sealed at %d bytes: socket only",
+                                offer.size)
+            finally:
+                os.close(fd)
+        except (OSError, ProtocolError) as exc:
+            log.info("data path: cannot map the server's segment (%s): socket only", exc)
         send_all(self.sock, encode_shm_mapped(mapping is not None))
         if mapping is None:
             return False
@@ -164,3 +170,17 @@ class DataConn:
             raise ValueError(f"buffer of {target.nbytes} bytes is too small for a {ref.length}-byte chunk")
         target[: ref.length] = src
         return ref.length
+
+
+def _fetch_fd(offer: ShmOffer, deadline: float) -> int:
+    """The segment's descriptor from the server's one-shot abstract Unix socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as unix:
+        unix.settimeout(max(0.001, deadline - time.monotonic()))
+        unix.connect("\0" + offer.socket)
+        unix.sendall(offer.ticket.encode())
+        _, fds, _, _ = socket.recv_fds(unix, 1, 1)
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("the server's Unix socket sent no segment descriptor")
+    return fds[0]

@@ -1,0 +1,62 @@
+"""Tenant quotas as caps on one shared disk budget (kvtier-server with a disk tier).
+
+Why: with a fixed split (each of n tenants gets ``min(quota, capacity // n)``) one busy
+tenant cannot use the capacity the others leave idle. Here each tenant's disk tier is sized
+to its *cap* (its quota, or the whole budget when it has none) and the pool bounds the sum:
+before a put, when the tenants together would pass ``capacity_bytes``, chunks are evicted
+first from the putting tenant if it is above its guaranteed share, else from the tenant most
+above its own share. The guaranteed share is ``min(cap, capacity // n)``: the shares sum to
+at most the budget, so a tenant within its share is never evicted for another's sake — a
+quiet tenant's chunks survive any flood up to that share. Eviction inside one tenant follows
+its own tier's policy (LRU by default); a tenant at its cap evicts its own chunks first
+(its tier does that by itself).
+
+Bound: the check and the write are not one atomic step, so concurrent puts may pass the
+budget by at most the chunks in flight (bounded by connections x max_chunk_bytes) until the
+next put evicts again. The RAM tier is a cache over the disk and keeps its fixed per-tenant
+share (its arena is allocated up front).
+
+Threads: :meth:`make_room` may be called from any thread (one lock serialises decisions).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from kvtier.tiers.disk import DiskTier
+
+
+class DiskPool:
+    def __init__(self, capacity_bytes: int, tiers: Mapping[str, DiskTier], shares: Mapping[str, int]) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.tiers = dict(tiers)
+        self.shares = dict(shares)
+        self._lock = threading.Lock()
+        self.evicted_bytes = 0  # freed by the pool for another tenant (or for the putter itself)
+
+    def used(self) -> int:
+        return sum(t.usage().used_bytes for t in self.tiers.values())
+
+    def make_room(self, tenant: str, nbytes: int) -> None:
+        """Evict until ``nbytes`` more fit in the budget, or no tenant above its share is left."""
+        with self._lock:
+            usage = {name: t.usage().used_bytes for name, t in self.tiers.items()}
+            over = sum(usage.values()) + nbytes - self.capacity_bytes
+            while over > 0:
+                victim = self._victim(tenant, usage, nbytes)
+                if victim is None:
+                    return  # everyone within their share: the put may pass the budget by nbytes
+                excess = usage[victim] - self.shares[victim] + (nbytes if victim == tenant else 0)
+                freed = self.tiers[victim].shed(min(over, excess))
+                if not freed:
+                    return
+                usage[victim] -= freed
+                over -= freed
+                self.evicted_bytes += freed
+
+    def _victim(self, tenant: str, usage: Mapping[str, int], nbytes: int) -> str | None:
+        if usage[tenant] + nbytes > self.shares[tenant] and usage[tenant] > 0:
+            return tenant
+        above = [(usage[n] - self.shares[n], n) for n in usage if n != tenant and usage[n] > self.shares[n]]
+        return max(above)[1] if above else None
