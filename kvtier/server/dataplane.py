@@ -284,8 +284,11 @@ class DataPlane:
     def _get(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
              shm: memoryview | None) -> None:
         """Each chunk is copied out of the tier into the shared segment (then only a reference
-        is sent) or into this connection's scratch buffer (no allocation) and sent at once, so
-        the client takes chunk i while chunk i+1 is copied."""
+        is sent); over the socket, a RAM hit is sent straight from its leased arena slot (no
+        copy: the lease keeps the slot from reuse until the send returns, at most the socket's
+        idle timeout), anything else through this connection's scratch buffer (no
+        allocation). Each chunk is sent at once, so the client takes chunk i while chunk i+1
+        is read."""
         start = time.perf_counter()
         sent = shared = offset = 0
         for i, key in enumerate(keys):
@@ -301,6 +304,11 @@ class DataPlane:
                         send_all(conn, encode_chunk_ref(i, offset, ref))
                         offset += (ref + 63) & ~63  # cache-line aligned starts
                         shared += ref
+                    continue
+            with store.leased_ram(key) as view:
+                if view is not None:  # straight from the arena to the socket, no copy
+                    send_all(conn, encode_chunk(i, view))
+                    sent += view.nbytes
                     continue
             try:
                 (result,) = store.get_into([key], [scratch])

@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,22 @@ class TenantStore:
         if promote and self.ram is not None:
             self.ram.put(promote)
         return first
+
+    @contextmanager
+    def leased_ram(self, key: bytes) -> Iterator[memoryview | None]:
+        """A zero-copy view of ``key``'s chunk in the RAM tier for the ``with`` block (see
+        :meth:`CpuTier.leased`: the slot is not reused meanwhile), counted as a RAM hit; None
+        when RAM does not hold it (the caller then takes :meth:`get_into`, which looks below
+        and promotes)."""
+        if self.ram is None:
+            yield None
+            return
+        with self.ram.leased(key) as view:
+            if isinstance(view, Miss):
+                yield None
+                return
+            self._count_get(1, [view.nbytes], [view.nbytes])
+            yield view
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         """Chunks copied into ``outs`` (no allocation); a disk hit is promoted into RAM.
