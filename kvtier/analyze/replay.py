@@ -66,22 +66,23 @@ def replay(requests: Sequence[Request], policy: EvictionPolicy, capacity: int) -
     return out
 
 
-def unbounded(requests: Sequence[Request]) -> tuple[np.ndarray, dict[bytes, int]]:
-    """The bound: per-request hit tokens of a perfect (infinite, never-expiring) prefix cache,
-    and for each request that hits, the deepest key it hit, mapped to that request's index."""
+def unbounded(requests: Sequence[Request]) -> np.ndarray:
+    """The bound: per-request hit tokens of a perfect (infinite, never-expiring) prefix cache."""
     seen: set[bytes] = set()
     out = np.zeros(len(requests), dtype=np.int64)
-    deepest: dict[bytes, int] = {}
     for j, r in enumerate(requests):
         ids = r.keys
         k = 0
         while k < len(ids) and ids[k] in seen:
             k += 1
         out[j] = _hit_tokens(r, k)
-        if k:
-            deepest[ids[k - 1]] = j
         seen.update(ids)
-    return out, deepest
+    return out
+
+
+def hit_chunks(r: Request, hit_tokens: int) -> int:
+    """How many leading chunks of ``r`` make ``hit_tokens`` (the inverse of the replay's count)."""
+    return len(r.keys) if hit_tokens == r.tokens else hit_tokens // r.chunk_tokens
 
 
 def with_ttl(requests: Sequence[Request], ttl_s: float) -> np.ndarray:
