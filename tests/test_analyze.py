@@ -63,8 +63,8 @@ def brute_replay(logs: list[list[int]], C: int, cap: int, victim: str) -> list[i
                 if victim == "lru":
                     cache.pop(0)
                 else:
-                    def nxt(x: tuple[int, ...]) -> int:
-                        return next((n for n in range(pos, len(seq)) if seq[n] == x), len(seq) + 1)
+                    def nxt(x: tuple[int, ...], now: int = pos) -> int:
+                        return next((n for n in range(now, len(seq)) if seq[n] == x), len(seq) + 1)
                     far = max(cache, key=lambda x: (nxt(x), -cache.index(x)))
                     cache.remove(far)
             cache.append(c)

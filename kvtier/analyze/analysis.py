@@ -34,6 +34,7 @@ class Options:
     top: int = 10
     decode: Decode | None = field(default=None, compare=False)
     progress: bool = False
+    jobs: int = 1  # processes for the replays (see replay.curve)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -119,7 +120,7 @@ def analyze(log: Log, opts: Options = Options()) -> dict[str, Any]:
     caps = sorted(set(opts.capacities)) or replay.default_capacities(distinct)
     names = list(opts.policies) or replay.policy_names()
     bound = replay.unbounded(reqs)
-    points = replay.curve(reqs, caps, names, progress=opts.progress)
+    points = replay.curve(reqs, caps, names, progress=opts.progress, jobs=opts.jobs)
     price = opts.price
     curve = []
     for p in points:

@@ -9,6 +9,7 @@ fingerprint changed, 2 bad input (the message names the flag, file or line).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -52,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--fingerprint", metavar="TEMPLATE", help="check the stable prefix of a prompt template against its golden value")
     p.add_argument("--golden", metavar="PATH", help="golden file for --fingerprint (default TEMPLATE.fingerprint.json)")
     p.add_argument("--update", action="store_true", help="with --fingerprint: write the golden file")
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), metavar="N",
+                   help="processes replaying capacities/policies in parallel (default: the CPUs, at most 8)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_handle)
 
@@ -104,6 +107,8 @@ def _handle(ns: argparse.Namespace) -> int:
             return _fingerprint(ns, tokenizer)
         if not ns.log:
             return _fail("a LOG file is needed (or --fingerprint TEMPLATE)")
+        if ns.jobs < 1:
+            return _fail(f"--jobs must be >= 1, got {ns.jobs}")
         if ns.breaker_sample < 2:
             return _fail(f"--breaker-sample must be >= 2, got {ns.breaker_sample}")
         if ns.kv_bytes_per_token is not None and ns.kv_bytes_per_token < 1:
@@ -117,7 +122,7 @@ def _handle(ns: argparse.Namespace) -> int:
         opts = analysis.Options(
             capacities=caps, policies=tuple(n.strip() for n in ns.policies.split(",")) if ns.policies else (),
             ttls=ns.ttls or analysis.DEFAULT_TTLS, price=price, kv_bytes_per_token=ns.kv_bytes_per_token,
-            breaker_sample=ns.breaker_sample, decode=decode, progress=progress)
+            breaker_sample=ns.breaker_sample, decode=decode, progress=progress, jobs=ns.jobs)
         doc = analysis.analyze(log, opts)
     except (readers.LogError, PriceError, FingerprintError) as exc:
         return _fail(str(exc))

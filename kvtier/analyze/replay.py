@@ -14,7 +14,8 @@ arrays, in log order) so that reports can group them by tenant or model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import multiprocessing as mp
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,19 +124,48 @@ def policy_names() -> list[str]:
     return list(dict.fromkeys([DEFAULT_POLICY, *POLICIES, BELADY]))
 
 
+# What forked workers replay: set by ``curve`` just before it forks, read by ``_job`` in the
+# children (fork shares it copy-on-write: the requests are not pickled per job).
+_SHARED: tuple[Sequence[Request], list[bytes]] = ((), [])
+
+
+def _job(job: tuple[int, str]) -> CurvePoint:
+    cap, name = job
+    requests, seq = _SHARED
+    policy: EvictionPolicy = BeladyPolicy(seq) if name == BELADY else POLICIES[name]()
+    return CurvePoint(name, cap, replay(requests, policy, cap))
+
+
 def curve(requests: Sequence[Request], capacities: Sequence[int], names: Sequence[str],
-          progress: bool = False) -> list[CurvePoint]:
-    """Replay every (capacity, policy) pair; ``names`` are registry names or ``belady``."""
+          progress: bool = False, jobs: int = 1) -> list[CurvePoint]:
+    """Replay every (capacity, policy) pair; ``names`` are registry names or ``belady``.
+
+    ``jobs`` > 1 runs the replays in that many forked processes (each replay is independent
+    and deterministic, so the result is the same); where fork is unavailable they run here.
+    """
+    global _SHARED
     unknown = [n for n in names if n != BELADY and n not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; expected one of {sorted(POLICIES)} or {BELADY!r}")
-    seq = access_sequence(requests) if BELADY in names else []
-    jobs = [(c, n) for c in capacities for n in names]
-    out = []
-    for cap, name in tqdm(jobs, desc="replay", unit="run", disable=not progress, leave=False):
-        make: Callable[[], EvictionPolicy] = (lambda: BeladyPolicy(seq)) if name == BELADY else POLICIES[name]
-        out.append(CurvePoint(name, cap, replay(requests, make(), cap)))
-    return out
+    work = [(c, n) for c in capacities for n in names]
+    _SHARED = (requests, access_sequence(requests) if BELADY in names else [])
+    try:
+        bar = tqdm(total=len(work), desc="replay", unit="run", disable=not progress, leave=False)
+        with bar:
+            if jobs > 1 and len(work) > 1 and "fork" in mp.get_all_start_methods():
+                with mp.get_context("fork").Pool(min(jobs, len(work))) as pool:
+                    out = []
+                    for point in pool.imap(_job, work):
+                        out.append(point)
+                        bar.update()
+                    return out
+            out = []
+            for job in work:
+                out.append(_job(job))
+                bar.update()
+            return out
+    finally:
+        _SHARED = ((), [])
 
 
 def default_capacities(distinct_chunks: int, percents: Sequence[float] = (2, 5, 10, 20, 40, 80)) -> list[int]:
