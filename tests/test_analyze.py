@@ -244,3 +244,14 @@ def test_help_lists_analyze_without_importing_the_analysis() -> None:
     assert r.stdout.strip() == "['kvtier.analyze.command']", r.stdout + r.stderr
     h = subprocess.run([sys.executable, "-m", "kvtier.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert "analyze" in h.stdout
+
+
+def test_prompt_heads_kept_for_an_even_bounded_sample(tmp_path: Path) -> None:
+    p = tmp_path / "many.jsonl"
+    p.write_text("".join(json.dumps({"tokens": [i % 7, i]}) + "\n" for i in range(5000)))
+    log = readers.read_log(p, keep_heads=100)
+    kept = [r.index for r in log.requests if r.head is not None]
+    assert 100 <= len(kept) <= 200
+    gaps = {b - a for a, b in zip(kept, kept[1:])}
+    assert len(gaps) == 1 and kept[0] == 0 and kept[-1] + gaps.pop() >= 5000  # evenly over the whole log
+    assert all(r.tokens == 2 and len(r.keys) == 1 for r in log.requests)  # the keys of every request stay

@@ -66,6 +66,8 @@ def _top_prefixes(reqs: Sequence[Request], bound: np.ndarray, top: int,
             a = agg.setdefault(r.keys[k - 1], [0, 0, h, r.index])
             a[0] += h
             a[1] += 1
+            if reqs[a[3]].head is None and r.head is not None:
+                a[3] = r.index  # an example whose tokens were kept, for the preview
     best = sorted(agg.values(), key=lambda a: (-a[0], a[3]))[:top]
     return [{"prefix_tokens": t, "requests": n, "saved_tokens": s,
              "preview": _preview(reqs[j], t, decode)} for s, n, t, j in best]
@@ -92,8 +94,8 @@ def _breakers(log: Log, opts: Options, duration: float | None) -> dict[str, Any]
         return {"sampled_requests": 0, "found": [],
                 "note": "this log has block hashes, not tokens: breakers need token ids or text"}
     groups, sampled = breakers.detect(log.requests, limit=opts.breaker_sample)
-    with_tokens = sum(1 for r in log.requests if r.head is not None)
-    scale = with_tokens / sampled if sampled else 0.0
+    # every request of a token or text log has tokens; only the sampled ones kept them
+    scale = len(log.requests) / sampled if sampled else 0.0
     heads = {r.index: r.head for r in log.requests if r.head is not None}
     found = []
     for g in groups:

@@ -115,7 +115,8 @@ def _handle(ns: argparse.Namespace) -> int:
             return _fail(f"--kv-bytes-per-token must be >= 1, got {ns.kv_bytes_per_token}")
         price = select(load_prices(ns.prices), ns.price_model) if ns.prices else None
         log = readers.read_log(ns.log, tokenizer=tokenizer, chunk_tokens=ns.chunk_tokens,
-                               isolate_tenants=ns.isolate_tenants, progress=progress)
+                               keep_heads=ns.breaker_sample, isolate_tenants=ns.isolate_tenants,
+                               progress=progress)
         C = log.chunk_tokens
         caps = tuple(max(1, -(-int(t) // C)) for t in ns.capacities) if ns.capacities else ()
         decode = (lambda a: str(tokenizer.decode(a.tolist()))) if tokenizer is not None else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -127,9 +128,13 @@ class _Keyer:
 
 
 def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256,
-             head_tokens: int = DEFAULT_HEAD_TOKENS, isolate_tenants: bool = False,
-             progress: bool = False) -> Log:
+             head_tokens: int = DEFAULT_HEAD_TOKENS, keep_heads: int = 3000,
+             isolate_tenants: bool = False, progress: bool = False) -> Log:
     """Read ``path``; see the module docstring for the accepted lines. Formats may not be mixed.
+
+    The first ``head_tokens`` tokens are kept for between ``keep_heads`` and twice as many
+    requests, evenly spread over the log (every ``stride``-th request; the stride doubles as
+    the log grows), so memory stays bounded on long logs.
 
     ``tokenizer`` (see :func:`load_tokenizer`) is needed only for text lines. Raises
     :class:`LogError` for a missing file, a malformed line, or an empty log.
@@ -144,6 +149,8 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
     pending: list[tuple[int, str, dict[str, Any]]] = []  # text lines, tokenized in batches
     requests: list[Request] = []
     encode = _encoder(tokenizer) if tokenizer is not None else None
+    stride = 1
+    kept = 0
 
     def meta(obj: dict[str, Any], where: str, scale: float) -> dict[str, Any]:
         out = obj.get("output_length", obj.get("output_tokens"))
@@ -154,9 +161,18 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
                 "model": str(obj.get("model", "") or ""), "output_tokens": out}
 
     def add_tokens(tokens: list[int], m: dict[str, Any]) -> None:
+        nonlocal stride, kept
         keys = keyer.keys(tokens, m["model"], m["tenant"])
-        head = np.asarray(tokens[:head_tokens], dtype=np.uint32)
-        requests.append(Request(len(requests), keys, len(tokens), chunk_tokens, head=head, **m))
+        i = len(requests)
+        head = np.asarray(tokens[:head_tokens], dtype=np.uint32) if i % stride == 0 else None
+        requests.append(Request(i, keys, len(tokens), chunk_tokens, head=head, **m))
+        kept += head is not None
+        if kept > 2 * max(1, keep_heads):  # thin the sample: keep every other kept head
+            stride *= 2
+            for j in range(0, len(requests), stride // 2):
+                if j % stride:
+                    requests[j] = replace(requests[j], head=None)
+            kept = sum(1 for j in range(0, len(requests), stride))
 
     def flush() -> None:
         assert encode is not None
