@@ -18,6 +18,7 @@ from kvtier.analyze import breakers, replay
 from kvtier.analyze.classify import Decode, classify
 from kvtier.analyze.cost import Price
 from kvtier.analyze.records import Log, Request
+from kvtier.policies import DEFAULT_POLICY
 
 SCHEMA = "kvtier.analyze/v1"
 DEFAULT_TTLS = (60.0, 300.0, 900.0, 3600.0)
@@ -137,7 +138,8 @@ def analyze(log: Log, opts: Options = Options()) -> dict[str, Any]:
     has_time = any(r.timestamp is not None for r in reqs)
     ttl = [{"ttl_s": t, "hit_tokens": int(h.sum()), "hit_ratio": _ratio(int(h.sum()), total)}
            for t in opts.ttls for h in [replay.with_ttl(reqs, t)]] if has_time else []
-    first = names[0]
+    # the policy groups and savings are shown for: kvtier's default, else the first online one given
+    first = DEFAULT_POLICY if DEFAULT_POLICY in names else next((n for n in names if n != replay.BELADY), names[0])
     default_points = [p for p in points if p.policy == first]
     bound_hits = int(bound.sum())
     doc: dict[str, Any] = {

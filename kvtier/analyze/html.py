@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from kvtier.analyze import plots
-from kvtier.analyze.report import human
+from kvtier.analyze.report import capacity, human
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:980px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
@@ -30,7 +30,7 @@ def _curve_table(doc: dict[str, Any]) -> str:
     names = doc["policies"]
     by = {(p["policy"], p["capacity_tokens"]): p for p in doc["curve"]}
     cur = doc["cost"]["currency"] if doc["cost"] else None
-    head = "".join(f"<th>{_e(n)}</th>" for n in names) + (f"<th>{_e(doc['default_policy'])} saves ({_e(cur)})</th>" if cur else "")
+    head = "".join(f"<th>{_e(n)}</th>" for n in names) + (f"<th>{_e(doc['default_policy'])} saves ({_e(cur)}{'/day' if doc['log']['duration_s'] else ''})</th>" if cur else "")
     rows = []
     for c in sorted({p["capacity_tokens"] for p in doc["curve"]}):
         cells = "".join(f"<td>{by[(n, c)]['hit_ratio']:.1%}</td>" for n in names)
@@ -38,7 +38,7 @@ def _curve_table(doc: dict[str, Any]) -> str:
             d = by[(doc["default_policy"], c)]
             m = d["money_saved_per_day"] if d["money_saved_per_day"] is not None else d["money_saved"]
             cells += f"<td>{m:,.2f}</td>"
-        rows.append(f"<tr><td>{human(c)}</td>{cells}</tr>")
+        rows.append(f"<tr><td>{_e(capacity(by[(names[0], c)]))}</td>{cells}</tr>")
     return f"<table><tr><th>capacity (tokens)</th>{head}</tr>{''.join(rows)}</table>"
 
 

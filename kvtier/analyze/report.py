@@ -15,6 +15,12 @@ def human(n: float | None, unit: str = "") -> str:
     return f"{n:.3g}{unit}"
 
 
+def capacity(p: dict[str, Any]) -> str:
+    """A curve entry's capacity: tokens, and bytes where known ('450k (55GiB)')."""
+    b = p.get("capacity_bytes")
+    return human(p["capacity_tokens"]) + (f" ({b / 2**30:.3g}GiB)" if b else "")
+
+
 def _short(text: str, n: int = 70, tail: bool = False) -> str:
     """``text`` on one line, cut to ``n`` characters (keeping its end when ``tail``)."""
     text = text.replace("\n", "⏎")
@@ -33,14 +39,14 @@ def summary(doc: dict[str, Any]) -> str:
            f"perfect prefix cache (the bound): {b['hit_ratio']:.1%} of prompt tokens "
            f"({human(b['hit_tokens'])} tokens; {human(b['saved_tokens_per_day'])}/day), "
            f"needs {human(b['distinct_tokens'])} tokens of KV",
-           "", "hit ratio by cache capacity (tokens of KV), * = kvtier's default policy:"]
+           "", "hit ratio by cache capacity (tokens of KV), * = the default policy (kvtier's, or the first one given):"]
     names = doc["policies"]
     caps = sorted({p["capacity_tokens"] for p in doc["curve"]})
     by = {(p["policy"], p["capacity_tokens"]): p for p in doc["curve"]}
     out.append(f"{'capacity':>10} " + " ".join(f"{n + ('*' if n == doc['default_policy'] else ''):>9}" for n in names)
                + (f" {'saved/day':>11}" if doc["cost"] else ""))
     for c in caps:
-        row = f"{human(c):>10} " + " ".join(f"{by[(n, c)]['hit_ratio']:>9.1%}" for n in names)
+        row = f"{capacity(by[(names[0], c)]):>10} " + " ".join(f"{by[(n, c)]['hit_ratio']:>9.1%}" for n in names)
         if doc["cost"]:
             m = by[(doc["default_policy"], c)]["money_saved_per_day"]
             m = m if m is not None else by[(doc["default_policy"], c)]["money_saved"]
