@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvtier.analyze import analysis, readers, synth
@@ -72,3 +73,25 @@ def test_token_id_logs_without_a_tokenizer(tmp_path: Path, tok: Any, kind: str, 
 def test_block_hash_traces_say_why_there_are_no_breakers(tmp_path: Path) -> None:
     doc = analysis.analyze(readers.read_log(synth.write_mooncake_log(tmp_path / "m.jsonl", 200)), FAST)
     assert doc["breakers"]["found"] == [] and "block hashes" in doc["breakers"]["note"]
+
+
+@pytest.mark.parametrize("a,b,kind", [
+    ("Session 3f2b8c1e-9a4d-4e2b-8f3a-1c2d3e4f5a6b opened.", "Session 77aa0c1e-1b2c-4d3e-9f8a-0b1c2d3e4f5a opened.", "uuid"),
+    ("Ticket number 48213 is open.", "Ticket number 97 is open.", "number"),
+    ("Be  brief and\tpolite.", "Be brief and polite.", "whitespace"),
+    ('Tools: [{"name": "a", "x": 1}, {"name": "b", "x": 2}]', 'Tools: [{"name": "b", "x": 2}, {"name": "a", "x": 1}]',
+     "reordered_items"),
+    ('Config: {"a": 1.5, "b": [1, 2]}', 'Config: {"b":[1,2],"a":1.50}', "json_reserialized"),
+])
+def test_classification_of_each_pattern(tok: Any, a: str, b: str, kind: str) -> None:
+    from kvtier.analyze import breakers
+    from kvtier.analyze.classify import classify
+    from kvtier.analyze.records import Request
+
+    shared = "\n" + " ".join(["alpha bravo charlie delta echo foxtrot golf hotel"] * 30)
+    heads = [np.asarray(tok(t + shared, add_special_tokens=False)["input_ids"], dtype=np.uint32) for t in (a, b)]
+    reqs = [Request(i, (bytes([i]),), len(h), 256, head=h) for i, h in enumerate(heads)]
+    (pair,) = breakers.find_pairs(reqs, max_span=1024, min_shared=64)
+    c = classify(heads[pair.a], heads[pair.b], pair.start, pair.end_a, pair.end_b,
+                 lambda x: str(tok.decode(x.tolist())))
+    assert c.kind == kind, c
