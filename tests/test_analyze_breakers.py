@@ -95,3 +95,5 @@ def test_classification_of_each_pattern(tok: Any, a: str, b: str, kind: str) -> 
     c = classify(heads[pair.a], heads[pair.b], pair.start, pair.end_a, pair.end_b,
                  lambda x: str(tok.decode(x.tolist())))
     assert c.kind == kind, c
+    if kind == "json_reserialized":
+        assert c.detail == "key order, spacing, number format"

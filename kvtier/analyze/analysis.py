@@ -103,7 +103,7 @@ def _breakers(log: Log, opts: Options, duration: float | None) -> dict[str, Any]
         e = g.example
         c = classify(heads[e.a], heads[e.b], e.start, e.end_a, e.end_b, opts.decode)
         lost = g.lost_tokens_sample * scale
-        found.append({"kind": c.kind, "fix": c.fix, "start_token": e.start,
+        found.append({"kind": c.kind, "detail": c.detail, "fix": c.fix, "start_token": e.start,
                       "span_tokens": [e.end_a - e.start, e.end_b - e.start],
                       "requests": g.requests, "variants": g.variants,
                       "lost_tokens": int(round(lost)), "lost_tokens_per_day": _per_day(lost, duration),

@@ -44,6 +44,7 @@ _TIME = re.compile(
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|\b[0-9a-fA-F]{16,}\b")
 _WORD = re.compile(r"[A-Za-z0-9:+\-./_]")
 _DIGITS = re.compile(r"[\d.,:\-]+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Classified:
     span_b: str
     before: str  # text just before the divergence
     after: str  # text just after the re-convergence
+    detail: str = ""  # what differs, where the kind tells more (e.g. "key order, spacing")
 
     @property
     def fix(self) -> str:
@@ -71,8 +73,30 @@ def _canon(x: Any) -> str:
     return json.dumps(x, sort_keys=True, separators=(",", ":"))
 
 
-def _json_kind(fa: str, fb: str, start: int, end_a: int, end_b: int) -> str | None:
-    """Parse the innermost JSON value enclosing the span on both sides (up to 8 levels out)."""
+def _keys(x: Any) -> list[str]:
+    """Every object key of a JSON value, in document order."""
+    if isinstance(x, dict):
+        return [k for key, v in x.items() for k in (key, *_keys(v))]
+    if isinstance(x, list):
+        return [k for v in x for k in _keys(v)]
+    return []
+
+
+def _json_detail(va: Any, vb: Any, ta: str, tb: str) -> str:
+    """What differs between two texts of the same JSON value."""
+    parts = []
+    if _keys(va) != _keys(vb):
+        parts.append("key order")
+    if re.findall(r"\s+", ta) != re.findall(r"\s+", tb):
+        parts.append("spacing")
+    if sorted(re.findall(_NUMBER, ta)) != sorted(re.findall(_NUMBER, tb)):
+        parts.append("number format")
+    return ", ".join(parts) or "escaping"
+
+
+def _json_kind(fa: str, fb: str, start: int, end_a: int, end_b: int) -> tuple[str, str] | None:
+    """Parse the innermost JSON value enclosing the span on both sides (up to 8 levels out);
+    (kind, what differs) when it tells."""
     dec = json.JSONDecoder()
     tried = 0
     for c in range(start - 1, -1, -1):
@@ -89,13 +113,14 @@ def _json_kind(fa: str, fb: str, start: int, end_a: int, end_b: int) -> str | No
         if ea < end_a or eb < end_b:
             continue  # a value that closes before the span ends does not enclose it
         if va == vb:
-            return "json_reserialized"
+            return "json_reserialized", _json_detail(va, vb, fa[c:ea], fb[c:eb])
         if isinstance(va, list) and isinstance(vb, list) and sorted(map(_canon, va)) == sorted(map(_canon, vb)):
-            return "reordered_items"
+            return "reordered_items", f"the same {len(va)} list items in another order"
         if isinstance(va, dict) and isinstance(vb, dict) and va.keys() == vb.keys() and all(
                 va[k] == vb[k] or (isinstance(va[k], list) and isinstance(vb[k], list)
                                    and sorted(map(_canon, va[k])) == sorted(map(_canon, vb[k]))) for k in va):
-            return "reordered_items"
+            moved = [k for k in va if va[k] != vb[k]]
+            return "reordered_items", f"items of {', '.join(map(repr, moved))} in another order"
         return None
     return None
 
@@ -117,15 +142,15 @@ def classify(head_a: np.ndarray, head_b: np.ndarray, start: int, end_a: int, end
     ea, eb = len(decode(head_a[:end_a])), len(decode(head_b[:end_b]))
     ta, tb = fa[s:ea], fb[s:eb]
     before, after = fa[max(0, s - 60):s], fa[ea:ea + 60]
-    kind = "unknown"
+    kind, detail = "unknown", ""
+    wa, wb = _widen(fa, s, ea), _widen(fb, s, eb)
     if re.sub(r"\s+", "", ta) == re.sub(r"\s+", "", tb):
         kind = "whitespace"
     elif (jk := _json_kind(fa, fb, s, ea, eb)) is not None:
-        kind = jk
+        kind, detail = jk
     elif len(ta) == len(tb) and sorted(ta) == sorted(tb) and len(ta) > 8:
-        kind = "reordered_items"
+        kind, detail = "reordered_items", "the same characters in another order"
     else:
-        wa, wb = _widen(fa, s, ea), _widen(fb, s, eb)
         if _TIME.search(wa) and _TIME.search(wb):
             kind = "timestamp"
         elif _UUID.search(wa) and _UUID.search(wb):
@@ -134,4 +159,5 @@ def classify(head_a: np.ndarray, head_b: np.ndarray, start: int, end_a: int, end
             kind = "number"
         elif start <= early_tokens:
             kind = "per_user_preamble"
-    return Classified(kind, ta, tb, before, after)
+        detail = f"{wa[:60]!r} vs {wb[:60]!r}"
+    return Classified(kind, ta, tb, before, after, detail)

@@ -53,7 +53,8 @@ def _breakers(doc: dict[str, Any]) -> str:
         e = f["example"]
         per_day = f" ({human(f['lost_tokens_per_day'])} per day)" if f["lost_tokens_per_day"] else ""
         items.append(
-            f"<li><span class=kind>{_e(f['kind'])}</span> at token {f['start_token']}: "
+            f"<li><span class=kind>{_e(f['kind'])}</span>"
+            f"{' (' + _e(f['detail']) + ')' if f['detail'] else ''} at token {f['start_token']}: "
             f"{f['variants']} variants over {f['requests']} requests cost {human(f['lost_tokens'])} "
             f"tokens{per_day}. Fix: {_e(f['fix'])}"
             f"<pre>…{_e(e['before'])}<mark>{_e(e['span_a'])}</mark>{_e(e['after'])}…</pre>"

@@ -75,10 +75,11 @@ def summary(doc: dict[str, Any]) -> str:
         for f in br["found"]:
             e = f["example"]
             per_day = f" ({human(f['lost_tokens_per_day'])}/day)" if f["lost_tokens_per_day"] else ""
-            out += [f"  [{f['kind']}] at token {f['start_token']}: {f['variants']} variants over "
+            detail = f" ({_short(f['detail'], 60)})" if f["detail"] else ""
+            out += [f"  [{f['kind']}]{detail} at token {f['start_token']}: {f['variants']} variants over "
                     f"{f['requests']} requests cost {human(f['lost_tokens'])} tokens{per_day}",
-                    f"      …{_short(e['before'], 30, tail=True)}[{_short(e['span_a'], 40)}]{_short(e['after'], 20)}…",
-                    f"   vs …{_short(e['before'], 30, tail=True)}[{_short(e['span_b'], 40)}]{_short(e['after'], 20)}…",
+                    f"      {_short(e['before'], 30, tail=True)}[{_short(e['span_a'], 40)}]{_short(e['after'], 20)}",
+                    f"   vs {_short(e['before'], 30, tail=True)}[{_short(e['span_b'], 40)}]{_short(e['after'], 20)}",
                     f"      fix: {f['fix']}"]
     if doc["cost"]:
         c = doc["cost"]
