@@ -149,6 +149,7 @@ def test_reads_the_mooncake_trace() -> None:
     assert sum(len(r.keys) for r in log.requests) == 121877
     assert len({k for r in log.requests for k in r.keys}) == 43924
     assert log.requests[0].timestamp == 0.0 and log.requests[2].timestamp == 0.04  # ms -> s
+    assert log.requests[0].output_tokens == 6
 
 
 @pytest.mark.parametrize("line,needle", [

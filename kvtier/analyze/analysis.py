@@ -147,6 +147,8 @@ def analyze(log: Log, opts: Options = Options()) -> dict[str, Any]:
         "log": {"path": log.path, "format": log.source, "requests": len(reqs), "prompt_tokens": total,
                 "chunk_tokens": C, "distinct_chunks": distinct, "duration_s": duration,
                 "requests_per_day": _per_day(len(reqs), duration),
+                "output_tokens": sum(r.output_tokens for r in reqs if r.output_tokens is not None)
+                if any(r.output_tokens is not None for r in reqs) else None,
                 "tenants": len({r.tenant for r in reqs}), "models": len({r.model for r in reqs})},
         "bound": {"hit_tokens": bound_hits, "hit_ratio": _ratio(bound_hits, total),
                   "saved_tokens_per_day": _per_day(bound_hits, duration),

@@ -32,12 +32,6 @@ class Request:
     output_tokens: int | None = None
     head: np.ndarray | None = field(default=None, compare=False, repr=False)
 
-    def chunk_size(self, i: int) -> int:
-        """Prompt tokens covered by ``keys[i]``."""
-        if i < len(self.keys) - 1:
-            return self.chunk_tokens
-        return self.tokens - self.chunk_tokens * (len(self.keys) - 1)
-
 
 @dataclass(frozen=True)
 class Log:
