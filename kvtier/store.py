@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvtier.config import KVTierConfig, StoreConfig
 from kvtier.metrics import Metrics
-from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier
+from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier, bind_prefix
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class LoadResult:
 
 
 _STOP = object()
-_Job = tuple[list[Entry], int]  # (entries, first tier level to write them to)
+# (entries, first tier level to write them to, their prefix's keys when known: see bind_prefix)
+_Job = tuple[list[Entry], int, Sequence[bytes] | None]
 
 
 class TieredStore:
@@ -96,16 +97,20 @@ class TieredStore:
         return cls(build_tiers(cfg), cfg.store, metrics)
 
     # --- lookup / load -------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> LookupResult:
+        """``prefix`` (here as in load and store): the keys of the whole prefix ``keys`` belong
+        to, ``prefix[d]`` being chunk d; a prefix-placed tier (the grpc tier) then finds each
+        chunk with its group. Callers that pass it must pass it to every verb."""
         t0 = time.perf_counter()
         pos, runs, reason = 0, list[tuple[str, int]](), ABSENT
         progress = True
+        bound = [bind_prefix(t, prefix) for t in self.tiers]
         while progress and pos < len(keys):
             progress = False
-            for tier in self.tiers:
+            for tier, verbs in zip(self.tiers, bound):
                 if pos >= len(keys):
                     break
-                probe = tier.probe(keys[pos:])
+                probe = verbs.probe(keys[pos:])
                 if probe.hits:
                     runs.append((tier.name, probe.hits))
                     self.metrics.hit_chunks.labels(tier.name).inc(probe.hits)
@@ -117,7 +122,7 @@ class TieredStore:
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return LookupResult(pos, tuple(runs), reason if pos < len(keys) else ABSENT)
 
-    def load(self, keys: Sequence[bytes]) -> LoadResult:
+    def load(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> LoadResult:
         """The leading run of chunk bytes for ``keys`` (shorter when a chunk is missing)."""
         t0 = time.perf_counter()
         found: list[bytes | None] = [None] * len(keys)
@@ -128,7 +133,7 @@ class TieredStore:
             # Only the part before the first gap that no earlier tier filled can extend the run.
             if not want:
                 break
-            values = tier.get([keys[i] for i in want])
+            values = bind_prefix(tier, prefix).get([keys[i] for i in want])
             for i, value in zip(want, values):
                 if isinstance(value, Miss):
                     if _REASON_RANK.get(value.reason, 2) > _REASON_RANK.get(reason, 2):
@@ -142,18 +147,19 @@ class TieredStore:
                 break
             run.append(chunk)
         sources = [self.tiers[source[i]].name for i in range(len(run))]
-        self._after_load(keys, run, source)
+        self._after_load(keys, run, source, prefix)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return LoadResult(run, sources, reason if len(run) < len(keys) else ABSENT)
 
-    def _after_load(self, keys: Sequence[bytes], run: list[bytes], source: list[int]) -> None:
+    def _after_load(self, keys: Sequence[bytes], run: list[bytes], source: list[int],
+                    prefix: Sequence[bytes] | None) -> None:
         if self.config.promote_on_load:
             for level in range(1, len(self.tiers)):
                 served = [Entry(keys[i], run[i], i) for i in range(len(run)) if source[i] == level]
                 if not served:
                     continue
                 for upper in self.tiers[:level]:
-                    upper.put(served)
+                    bind_prefix(upper, prefix).put(served)
                     self.metrics.promotions.labels(upper.name).inc(len(served))
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
@@ -163,31 +169,33 @@ class TieredStore:
                     if self._hits[keys[i]] == self.config.selective_min_hits:
                         due.append(Entry(keys[i], data, i))
             if due:
-                self._enqueue(due, 1)
+                self._enqueue(due, 1, prefix)
 
     # --- store ---------------------------------------------------------------------------
-    def store(self, entries: Sequence[Entry]) -> int:
+    def store(self, entries: Sequence[Entry], prefix: Sequence[bytes] | None = None) -> int:
         """Write-through to tier 0 now, cascade below later. Takes ownership of ``entry.data``:
-        the caller must not modify those buffers afterwards. Returns #chunks tier 0 accepted."""
+        the caller must not modify those buffers afterwards. Returns #chunks tier 0 accepted.
+        ``prefix``: the keys of the prefix the entries belong to (``prefix[d]`` is chunk d), so
+        that a prefix-placed tier puts each chunk where lookups of that prefix will ask."""
         if self._closed:
             raise RuntimeError("TieredStore is closed")
         if not entries:
             return 0
         t0 = time.perf_counter()
         top = self.tiers[0]
-        ok = top.put(entries)
+        ok = bind_prefix(top, prefix).put(entries)
         accepted = sum(ok)
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
-            self._enqueue(list(entries), 1)
+            self._enqueue(list(entries), 1, prefix)
         return accepted
 
-    def _enqueue(self, entries: list[Entry], level: int) -> None:
+    def _enqueue(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         try:
-            self._queue.put_nowait((entries, level))
+            self._queue.put_nowait((entries, level, prefix))
         except queue.Full:
             self.metrics.dropped_writes.labels(self.tiers[level].name, "queue_full").inc(len(entries))
             return
@@ -206,10 +214,10 @@ class TieredStore:
                 self._queue.task_done()
                 self.metrics.queue_depth.set(self._queue.qsize())
 
-    def _write_down(self, entries: list[Entry], level: int) -> None:
+    def _write_down(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         cascade = self.config.write_policy == "write_through"
         for tier in self.tiers[level:]:
-            ok = tier.put(entries)
+            ok = bind_prefix(tier, prefix).put(entries)
             written = sum(len(e.data) for e, k in zip(entries, ok) if k)
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
@@ -223,7 +231,8 @@ class TieredStore:
         def on_evict(key: bytes, data: bytes) -> None:
             self.metrics.evictions.labels(name, "capacity").inc()
             if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
-                self._enqueue([Entry(key, data)], level + 1)
+                # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
+                self._enqueue([Entry(key, data)], level + 1, None)
 
         return on_evict
 

@@ -1,23 +1,158 @@
-"""Where a chunk key lives: a pure function of the key and the node list (no I/O, no state).
+"""Where a chunk key lives: a pure, versioned function of the key, its prefix and the node set.
 
-Rendezvous (highest-random-weight) hashing: a key's replicas are the nodes with the highest
-xxh3(key, seed=node seed). Every client with the same node list places a key identically, and
-adding or removing a node moves only the keys that node gains or loses.
+Placement ``kvtier-placement/v1`` (docs/placement.md has the why and the figures):
+
+- **Ring.** Each node name (``host:port`` as resolved, the same string in every client) gets
+  ``VNODES`` = 1024 points on a 64-bit ring: ``point(name, v) = mix64(xxh3_64(name) + v * PHI)``
+  for ``v = 1..VNODES`` (``mix64``: the splitmix64 finaliser, ``PHI = 0x9E3779B97F4A7C15``, all
+  mod 2**64). Points are sorted by (value, name).
+- **Key position.** ``pos(key)`` = the key's first 8 bytes as a little-endian uint64 (chunk keys
+  are SHA-256 / xxh3-128 / blake3 outputs already: uniform, and nothing is gained by hashing
+  again).
+- **Replicas.** The first point with value >= ``pos`` (wrapping to the smallest), then
+  clockwise: the first ``R`` distinct node names met, best first.
+- **Groups.** Chunk ``d`` of a prefix (0-based depth) is placed by the key of chunk
+  ``d - d % G`` of the same prefix (its group's first key), so G consecutive chunks share
+  their nodes; ``G = 1`` places every key by itself.
+
+Cost: O(log(N * VNODES)) per group (a ``searchsorted``), vectorised over a request; building
+a ring for 1,000 nodes (1M points) takes about half a second and is done off the request path
+when membership changes. Moving: a node that joins takes only its own arcs (about 1/N of the
+keys); one that leaves gives only its own away.
+
+Threads: a :class:`Ring` is immutable after construction; share it freely.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
+PLACEMENT_VERSION = "kvtier-placement/v1"
+VNODES = 1024
+_PHI = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+U64 = npt.NDArray[np.uint64]
+I32 = npt.NDArray[np.int32]
 
-def node_seed(address: str) -> int:
-    return xxhash.xxh3_64_intdigest(address.encode())
+
+def node_seed(name: str) -> int:
+    """xxh3_64 of the node name (UTF-8): where its points start."""
+    return xxhash.xxh3_64_intdigest(name.encode())
 
 
-def rendezvous(key: bytes, seeds: Sequence[int], replicas: int) -> list[int]:
-    """The ``replicas`` node indexes with the highest score xxh3(key, seed=node seed), best
-    first. Pure and stable: every client with the same node list places a key identically."""
-    scores = sorted(((xxhash.xxh3_64_intdigest(key, seed=s), i) for i, s in enumerate(seeds)), reverse=True)
-    return [i for _, i in scores[:replicas]]
+def mix64(z: U64) -> U64:
+    """splitmix64's finaliser, element-wise (wraps mod 2**64)."""
+    with np.errstate(over="ignore"):
+        z = z ^ (z >> np.uint64(30))
+        z = z * _M1
+        z = z ^ (z >> np.uint64(27))
+        z = z * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def key_positions(keys: Sequence[bytes]) -> U64:
+    """``pos(key)`` for each key: its first 8 bytes, little-endian."""
+    if not keys:
+        return np.zeros(0, dtype=np.uint64)
+    if any(len(k) < 8 for k in keys):
+        raise ValueError("placement needs keys of at least 8 bytes")
+    return np.frombuffer(b"".join(k[:8] for k in keys), dtype="<u8").astype(np.uint64)
+
+
+def anchor_depths(depths: Iterable[int], group: int) -> list[int]:
+    """The depth of each chunk's group anchor: ``d - d % group``."""
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    return [d - d % group for d in depths]
+
+
+class Ring:
+    """The consistent-hash ring of one node set. ``names`` is sorted; replica lists are
+    indexes into it (or names, from :meth:`place`)."""
+
+    def __init__(self, names: Iterable[str], vnodes: int = VNODES) -> None:
+        self.names: tuple[str, ...] = tuple(sorted(set(names)))
+        if not self.names:
+            raise ValueError("a ring needs at least one node")
+        if vnodes < 1:
+            raise ValueError(f"vnodes must be >= 1, got {vnodes}")
+        self.vnodes = vnodes
+        n = len(self.names)
+        seeds = np.array([node_seed(s) for s in self.names], dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            raw = seeds[:, None] + np.arange(1, vnodes + 1, dtype=np.uint64)[None, :] * _PHI
+        points = mix64(raw).ravel()
+        owners = np.repeat(np.arange(n, dtype=np.int32), vnodes)
+        order = np.lexsort((owners, points))  # by value, then by name (names are sorted)
+        self.points: U64 = points[order]
+        self.owners: I32 = owners[order]
+        self.next_other: I32 = _next_other(self.owners)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def index_of(self, positions: U64) -> npt.NDArray[np.intp]:
+        """The ring point each position lands on (first point >= it, wrapping)."""
+        idx = np.searchsorted(self.points, positions, side="left")
+        return np.where(idx == len(self.points), 0, idx)
+
+    def replicas_at(self, positions: U64, replicas: int) -> I32:
+        """Node indexes, shape (len(positions), min(replicas, N)), best first."""
+        r = max(1, min(replicas, len(self.names)))
+        cur: npt.NDArray[np.intp] = self.index_of(positions)
+        out = np.empty((len(cur), r), dtype=np.int32)
+        out[:, 0] = self.owners[cur]
+        for col in range(1, r):
+            cur = self.next_other[cur].astype(np.intp)
+            cand = self.owners[cur]
+            # Walk on while the candidate is a node already chosen for that row.
+            taken = (out[:, :col] == cand[:, None]).any(axis=1)
+            while taken.any():
+                cur = np.where(taken, self.next_other[cur], cur).astype(np.intp)
+                cand = self.owners[cur]
+                taken = (out[:, :col] == cand[:, None]).any(axis=1)
+            out[:, col] = cand
+        return out
+
+    def place(self, key: bytes, replicas: int) -> list[str]:
+        """``key``'s replica names, best first (the key is its own anchor)."""
+        row = self.replicas_at(key_positions([key]), replicas)[0]
+        return [self.names[i] for i in row]
+
+    def place_keys(self, anchor_keys: Sequence[bytes], replicas: int) -> list[list[str]]:
+        """Replica names for each anchor key, best first."""
+        rows = self.replicas_at(key_positions(anchor_keys), replicas)
+        names = self.names
+        return [[names[i] for i in row] for row in rows.tolist()]
+
+    def place_run(self, keys: Sequence[bytes], depths: Sequence[int], anchors: dict[int, bytes],
+                  group: int, replicas: int) -> list[list[str]]:
+        """Replica names for chunks ``keys`` at ``depths`` of one prefix; ``anchors`` maps a
+        group's first depth to its key (a key whose anchor is absent is its own anchor)."""
+        heads = anchor_depths(depths, group)
+        return self.place_keys([anchors.get(h, k) for h, k in zip(heads, keys)], replicas)
+
+
+def _next_other(owners: I32) -> I32:
+    """For each ring point, the index of the next point (clockwise) owned by another node;
+    itself where there is no other node."""
+    p = len(owners)
+    change = np.flatnonzero(owners != np.roll(owners, -1))  # i: point i+1 has another owner
+    if len(change) == 0:
+        return np.arange(p, dtype=np.int32)
+    j = np.searchsorted(change, np.arange(p), side="left")
+    j = np.where(j == len(change), 0, j)
+    return ((change[j] + 1) % p).astype(np.int32)
+
+
+def prefix_placement(ring: Ring, prefix: Sequence[bytes], group: int, replicas: int) -> list[list[str]]:
+    """Replica names of every chunk of a whole prefix (``prefix[0]`` is chunk 0): the
+    reference form of the v1 mapping that the test vectors pin."""
+    depths = range(len(prefix))
+    anchors = {d: prefix[d] for d in set(anchor_depths(depths, group))}
+    return ring.place_run(prefix, list(depths), anchors, group, replicas)
