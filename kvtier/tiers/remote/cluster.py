@@ -45,9 +45,11 @@ class ClusterView:
 
 class Cluster:
     def __init__(self, config: GrpcTierConfig, resolver: Resolver,
-                 make_client: Callable[[str], NodeClient], name: str) -> None:
+                 make_client: Callable[[str], NodeClient], name: str, periodic: bool) -> None:
+        """``periodic``: resolve again every ``resolve_interval_s`` (not for a static list)."""
         self.config = config
         self._resolver = resolver
+        self._periodic = periodic
         self._make_client = make_client
         self.view = ClusterView()
         self.draining: list[NodeClient] = []
@@ -105,10 +107,10 @@ class Cluster:
                 view = self.view
                 down = [c for c in view.clients.values() if not c.up]
                 due = [c for c in down if c.next_probe <= now]
-                resolve = self.config.discovery != "" and now >= self._next_resolve
+                resolve = self._periodic and now >= self._next_resolve
                 if not due and not resolve:
                     waits = [c.next_probe - now for c in down] + [_TICK_S]
-                    if self.config.discovery:
+                    if self._periodic:
                         waits.append(self._next_resolve - now)
                     self._wake.wait(timeout=max(0.001, min(waits)))
                     if self._stopping:

@@ -95,11 +95,12 @@ class GrpcTier(TierBase):
         super().__init__()
         self.name = name
         self.config = config
+        periodic = resolver is not None or bool(config.discovery)
         if resolver is None:
             resolver = self._config_resolver(config)
         token = read_token(config)
         creds = channel_credentials(config)
-        self.cluster = Cluster(config, resolver, lambda n: NodeClient(n, config, token, creds), name)
+        self.cluster = Cluster(config, resolver, lambda n: NodeClient(n, config, token, creds), name, periodic)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"kvtier-{name}")
         self.cluster.refresh()
         self._check_start()
