@@ -25,7 +25,7 @@ Threads: a :class:`Ring` is immutable after construction; share it freely.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,7 @@ import xxhash
 
 PLACEMENT_VERSION = "kvtier-placement/v1"
 VNODES = 2048
+FIRST_WAVE = 4  # groups a probe asks at once first; each later wave doubles
 _PHI = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -152,6 +153,33 @@ def _next_other(owners: I32) -> I32:
     nxt = np.minimum.accumulate(at[::-1])[::-1]  # the first change at or after i
     nxt = np.where(nxt == p, int(np.argmax(change)), nxt)  # none after i: wrap to the first
     return ((nxt + 1) % p).astype(np.int32)
+
+
+def anchor_keys(keys: Sequence[bytes], depth_of: Mapping[bytes, int] | None, prefix: Sequence[bytes],
+                group: int) -> list[bytes]:
+    """The anchor of each key: ``prefix[d - d % group]`` for a key at depth ``d`` of ``prefix``
+    (``depth_of`` maps a key to its depth), the key itself when its depth is unknown. This is
+    the one function both the tier and bench/cluster_sim.py place by."""
+    if depth_of is None or group == 1:
+        return list(keys)
+    out = list(keys)
+    for pos, k in enumerate(keys):
+        d = depth_of.get(k)
+        if d is not None:
+            out[pos] = prefix[d - d % group]
+    return out
+
+
+def probe_waves(anchors: Sequence[bytes], first: int = FIRST_WAVE) -> list[tuple[int, int]]:
+    """Position ranges [lo, hi) a probe asks in turn: runs of equal anchors are groups, and
+    the waves take ``first`` groups, then twice as many each time. A probe stops after the
+    first wave with a missing key, so a short hit never asks the nodes of later groups."""
+    bounds = [0] + [p for p in range(1, len(anchors)) if anchors[p] != anchors[p - 1]] + [len(anchors)]
+    out, group, wave = [], 0, first
+    while group < len(bounds) - 1:
+        out.append((bounds[group], bounds[min(group + wave, len(bounds) - 1)]))
+        group, wave = group + wave, wave * 2
+    return out
 
 
 def prefix_placement(ring: Ring, prefix: Sequence[bytes], group: int, replicas: int) -> list[list[str]]:

@@ -58,12 +58,11 @@ from kvtier.tiers.remote.errors import NodeError
 from kvtier.tiers.remote.hedged import read_hedged
 from kvtier.tiers.remote.membership import Resolver, resolver_for, static_resolver
 from kvtier.tiers.remote.node import NodeClient, channel_credentials, read_token
-from kvtier.tiers.remote.placement import anchor_depths
+from kvtier.tiers.remote.placement import anchor_keys, probe_waves
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 V = TypeVar("V")
-_FIRST_WAVE = 4  # groups a probe asks at once first; each later wave doubles
 _CHECKED_AT_START = 3  # nodes whose Info (and credentials) a new tier checks
 
 
@@ -154,12 +153,8 @@ class GrpcTier(TierBase):
     def _placement(self, view: ClusterView, keys: Sequence[bytes], prefix: Prefix | None
                    ) -> tuple[list[bytes], list[list[str]]]:
         """(anchor key, replica names) of each key."""
-        anchors = list(keys)
-        if prefix is not None and self.config.group_chunks > 1:
-            for pos, k in enumerate(keys):
-                d = prefix.depth.get(k)
-                if d is not None:
-                    anchors[pos] = prefix.keys[anchor_depths([d], self.config.group_chunks)[0]]
+        anchors = (anchor_keys(keys, prefix.depth, prefix.keys, self.config.group_chunks)
+                   if prefix is not None else list(keys))
         if view.ring is None:
             return anchors, [[] for _ in keys]
         return anchors, view.ring.place_keys(anchors, self.config.replication)
@@ -212,10 +207,7 @@ class GrpcTier(TierBase):
         deadline = time.monotonic() + self.config.timeout_s
         view = self.cluster.view
         anchors, placement = self._placement(view, keys, prefix)
-        bounds = [0] + [p for p in range(1, len(keys)) if anchors[p] != anchors[p - 1]] + [len(keys)]
-        group, wave = 0, _FIRST_WAVE
-        while group < len(bounds) - 1:
-            lo, hi = bounds[group], bounds[min(group + wave, len(bounds) - 1)]
+        for lo, hi in probe_waves(anchors):
             per_node: dict[str, list[int]] = defaultdict(list)  # node -> positions of its keys
             for pos in range(lo, hi):
                 for n in self._live(view, placement[pos]):
@@ -233,7 +225,6 @@ class GrpcTier(TierBase):
             for pos in range(lo, hi):
                 if pos not in present:
                     return Probe(pos, _miss_reason(placement[pos], failed, results))
-            group, wave = group + wave, wave * 2
         return Probe(len(keys))
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
