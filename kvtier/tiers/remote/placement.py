@@ -25,7 +25,7 @@ Threads: a :class:`Ring` is immutable after construction; share it freely.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -129,10 +129,13 @@ class Ring:
         return [self.names[i] for i in row]
 
     def place_keys(self, anchor_keys: Sequence[bytes], replicas: int) -> list[list[str]]:
-        """Replica names for each anchor key, best first."""
-        rows = self.replicas_at(key_positions(anchor_keys), replicas)
+        """Replica names for each anchor key, best first. Keys of one group share one list
+        (one ring lookup per distinct anchor): treat the lists as read-only."""
+        distinct = list(dict.fromkeys(anchor_keys))
+        rows = self.replicas_at(key_positions(distinct), replicas).tolist()
         names = self.names
-        return [[names[i] for i in row] for row in rows.tolist()]
+        by_anchor = {k: [names[i] for i in row] for k, row in zip(distinct, rows)}
+        return list(map(by_anchor.__getitem__, anchor_keys))
 
     def place_run(self, keys: Sequence[bytes], depths: Sequence[int], anchors: dict[int, bytes],
                   group: int, replicas: int) -> list[list[str]]:
@@ -155,18 +158,27 @@ def _next_other(owners: I32) -> I32:
     return ((nxt + 1) % p).astype(np.int32)
 
 
-def anchor_keys(keys: Sequence[bytes], depth_of: Mapping[bytes, int] | None, prefix: Sequence[bytes],
-                group: int) -> list[bytes]:
+def anchor_keys(keys: Sequence[bytes], prefix: Sequence[bytes] | None, group: int) -> list[bytes]:
     """The anchor of each key: ``prefix[d - d % group]`` for a key at depth ``d`` of ``prefix``
-    (``depth_of`` maps a key to its depth), the key itself when its depth is unknown. This is
-    the one function both the tier and bench/cluster_sim.py place by."""
-    if depth_of is None or group == 1:
+    (``prefix[d]`` is chunk d), the key itself when ``prefix`` is None or does not hold it.
+    This is the one function both the tier and bench/cluster_sim.py place by."""
+    if prefix is None or group == 1 or not keys:
         return list(keys)
+    try:
+        d0 = prefix.index(keys[0])
+    except ValueError:
+        d0 = -1
+    n = len(keys)
+    if d0 >= 0 and list(prefix[d0:d0 + n]) == list(keys):  # the usual case: a run of the prefix
+        return [prefix[d - d % group] for d in range(d0, d0 + n)]
+    depth: dict[bytes, int] = {}
+    for d, k in enumerate(prefix):
+        depth.setdefault(k, d)
     out = list(keys)
     for pos, k in enumerate(keys):
-        d = depth_of.get(k)
-        if d is not None:
-            out[pos] = prefix[d - d % group]
+        at = depth.get(k)
+        if at is not None:
+            out[pos] = prefix[at - at % group]
     return out
 
 

@@ -77,13 +77,10 @@ def is_whole_chunk(entry: Entry) -> bool:
 
 
 class Prefix:
-    """Chunk keys of one prefix (``keys[d]`` is chunk ``d``) and the depth of each."""
+    """Chunk keys of one prefix: ``keys[d]`` is chunk ``d``."""
 
     def __init__(self, keys: Sequence[bytes]) -> None:
         self.keys = keys
-        self.depth: dict[bytes, int] = {}
-        for d, k in enumerate(keys):
-            self.depth.setdefault(k, d)
 
 
 class GrpcTier(TierBase):
@@ -153,8 +150,7 @@ class GrpcTier(TierBase):
     def _placement(self, view: ClusterView, keys: Sequence[bytes], prefix: Prefix | None
                    ) -> tuple[list[bytes], list[list[str]]]:
         """(anchor key, replica names) of each key."""
-        anchors = (anchor_keys(keys, prefix.depth, prefix.keys, self.config.group_chunks)
-                   if prefix is not None else list(keys))
+        anchors = anchor_keys(keys, prefix.keys if prefix is not None else None, self.config.group_chunks)
         if view.ring is None:
             return anchors, [[] for _ in keys]
         return anchors, view.ring.place_keys(anchors, self.config.replication)
