@@ -44,7 +44,7 @@ from bench._stats import Stats, fmt  # noqa: E402
 from kvtier.config import GrpcTierConfig  # noqa: E402
 from kvtier.tiers.base import Entry  # noqa: E402
 from kvtier.tiers.memory import MemoryTier  # noqa: E402
-from kvtier.tiers.remote.placement import Ring, anchor_keys, probe_waves  # noqa: E402
+from kvtier.tiers.remote.placement import Ring, place, probe_waves  # noqa: E402
 
 TRACE_CANDIDATES = [ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl",
                     ROOT.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"]
@@ -65,9 +65,8 @@ def chain(seed: bytes, n: int, start: bytes = b"") -> list[bytes]:
 
 
 def place_prefix(ring: Ring, prefix: Sequence[bytes], group: int, replicas: int) -> tuple[list[bytes], list[list[str]]]:
-    """Exactly the tier's path: anchors by depth, then the ring."""
-    anchors = anchor_keys(prefix, prefix, group)
-    return anchors, ring.place_keys(anchors, replicas)
+    """Exactly the tier's path (``placement.place``)."""
+    return place(ring, prefix, prefix, group, replicas)
 
 
 # --- 1. placement time ------------------------------------------------------------------------

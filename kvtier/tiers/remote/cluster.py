@@ -138,8 +138,9 @@ class Cluster:
             draining, self.draining = self.draining, []
         keep = []
         for client in draining:
-            # A drained node closes once no call holds it; a call always ends by its deadline.
-            if client.inflight == 0:
+            # A drained node closes once no call holds it; a call always ends by its deadline,
+            # and a call still holding an older view is refused a reopened connection.
+            if client.retire():
                 self._close_client(client)
             else:
                 keep.append(client)

@@ -135,6 +135,7 @@ class NodeClient:
         self.inflight = 0  # calls between use() and its end
         self.last_used = time.monotonic()
         self.opened = 0  # times the channel was opened (tests and stats)
+        self.retired = False  # removed from the cluster: never opened again
         self._open_lock = threading.Lock()
 
     # --- lazy connection ---------------------------------------------------------------------------
@@ -143,6 +144,8 @@ class NodeClient:
         """Hold the node for one call: opens the channel and fetches Info when closed (a
         NodeError when that fails) and keeps :meth:`close_if_idle` away until the call ends."""
         with self._lock:
+            if self.retired:
+                raise NodeError(NODE_DOWN, f"{self.address}: removed from the cluster", down=False)
             self.inflight += 1
             self.last_used = time.monotonic()
         try:
@@ -165,6 +168,13 @@ class NodeClient:
                 self.stub = pb_grpc.KVTierStub(self.channel)
                 self.opened += 1
             return self.stub
+
+    def retire(self) -> bool:
+        """No new calls from now on (a drained node); True when no call holds it any more,
+        so that it can be closed."""
+        with self._lock:
+            self.retired = True
+            return self.inflight == 0
 
     @property
     def is_open(self) -> bool:

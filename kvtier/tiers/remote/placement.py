@@ -96,6 +96,7 @@ class Ring:
         self.points: U64 = points[order]
         self.owners: I32 = owners[order]
         self.next_other: I32 = _next_other(self.owners)
+        self._name_array = np.array(self.names, dtype=object)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -132,9 +133,10 @@ class Ring:
         """Replica names for each anchor key, best first. Keys of one group share one list
         (one ring lookup per distinct anchor): treat the lists as read-only."""
         distinct = list(dict.fromkeys(anchor_keys))
-        rows = self.replicas_at(key_positions(distinct), replicas).tolist()
-        names = self.names
-        by_anchor = {k: [names[i] for i in row] for k, row in zip(distinct, rows)}
+        rows: list[list[str]] = self._name_array[self.replicas_at(key_positions(distinct), replicas)].tolist()
+        if len(distinct) == len(anchor_keys):
+            return rows
+        by_anchor = dict(zip(distinct, rows))
         return list(map(by_anchor.__getitem__, anchor_keys))
 
     def place_run(self, keys: Sequence[bytes], depths: Sequence[int], anchors: dict[int, bytes],
@@ -158,19 +160,46 @@ def _next_other(owners: I32) -> I32:
     return ((nxt + 1) % p).astype(np.int32)
 
 
-def anchor_keys(keys: Sequence[bytes], prefix: Sequence[bytes] | None, group: int) -> list[bytes]:
-    """The anchor of each key: ``prefix[d - d % group]`` for a key at depth ``d`` of ``prefix``
-    (``prefix[d]`` is chunk d), the key itself when ``prefix`` is None or does not hold it.
-    This is the one function both the tier and bench/cluster_sim.py place by."""
-    if prefix is None or group == 1 or not keys:
-        return list(keys)
+def _run_start(keys: Sequence[bytes], prefix: Sequence[bytes]) -> int:
+    """d when ``keys`` is ``prefix[d:d + len(keys)]`` (the usual call), else -1."""
     try:
         d0 = prefix.index(keys[0])
     except ValueError:
-        d0 = -1
-    n = len(keys)
-    if d0 >= 0 and list(prefix[d0:d0 + n]) == list(keys):  # the usual case: a run of the prefix
-        return [prefix[d - d % group] for d in range(d0, d0 + n)]
+        return -1
+    return d0 if list(prefix[d0:d0 + len(keys)]) == list(keys) else -1
+
+
+def place(ring: Ring, keys: Sequence[bytes], prefix: Sequence[bytes] | None, group: int,
+          replicas: int) -> tuple[list[bytes], list[list[str]]]:
+    """(anchor key, replica names) of each key: the one function both the tier and
+    bench/cluster_sim.py place by. For a run of the prefix, one ring lookup per group."""
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    d0 = _run_start(keys, prefix) if prefix is not None and group > 1 and keys else -1
+    if d0 < 0:
+        anchors = anchor_keys(keys, prefix, group)
+        return anchors, ring.place_keys(anchors, replicas)
+    assert prefix is not None
+    end = d0 + len(keys)
+    heads = range(d0 - d0 % group, end, group)
+    head_keys = [prefix[h] for h in heads]
+    out_anchors: list[bytes] = []
+    placement: list[list[str]] = []
+    for h, key, names in zip(heads, head_keys, ring.place_keys(head_keys, replicas)):
+        count = min(h + group, end) - max(h, d0)
+        out_anchors += [key] * count
+        placement += [names] * count
+    return out_anchors, placement
+
+
+def anchor_keys(keys: Sequence[bytes], prefix: Sequence[bytes] | None, group: int) -> list[bytes]:
+    """The anchor of each key: ``prefix[d - d % group]`` for a key at depth ``d`` of ``prefix``
+    (``prefix[d]`` is chunk d), the key itself when ``prefix`` is None or does not hold it."""
+    if prefix is None or group == 1 or not keys:
+        return list(keys)
+    d0 = _run_start(keys, prefix)
+    if d0 >= 0:
+        return [prefix[d - d % group] for d in range(d0, d0 + len(keys))]
     depth: dict[bytes, int] = {}
     for d, k in enumerate(prefix):
         depth.setdefault(k, d)

@@ -58,7 +58,7 @@ from kvtier.tiers.remote.errors import NodeError
 from kvtier.tiers.remote.hedged import read_hedged
 from kvtier.tiers.remote.membership import Resolver, resolver_for, static_resolver
 from kvtier.tiers.remote.node import NodeClient, channel_credentials, read_token
-from kvtier.tiers.remote.placement import anchor_keys, probe_waves
+from kvtier.tiers.remote.placement import place, probe_waves
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,10 +150,10 @@ class GrpcTier(TierBase):
     def _placement(self, view: ClusterView, keys: Sequence[bytes], prefix: Prefix | None
                    ) -> tuple[list[bytes], list[list[str]]]:
         """(anchor key, replica names) of each key."""
-        anchors = anchor_keys(keys, prefix.keys if prefix is not None else None, self.config.group_chunks)
         if view.ring is None:
-            return anchors, [[] for _ in keys]
-        return anchors, view.ring.place_keys(anchors, self.config.replication)
+            return list(keys), [[] for _ in keys]
+        return place(view.ring, keys, prefix.keys if prefix is not None else None, self.config.group_chunks,
+                     self.config.replication)
 
     def for_prefix(self, prefix: Sequence[bytes]) -> PrefixVerbs:
         return PrefixVerbs(self, Prefix(prefix))
