@@ -177,3 +177,16 @@ def test_hedged_read_skips_a_hung_primary(tmp_path: Path) -> None:
         tier.close()
         for n in nodes:
             n.stop()
+
+
+def test_discovery_setting_resolves_through_the_system_resolver(fleet: list[ServerProc]) -> None:
+    node = fleet[1]
+    port = node.address.rsplit(":", 1)[1]
+    tier = GrpcTier(GrpcTierConfig(enabled=True, discovery=f"dns:127.0.0.1:{port}", resolve_interval_s=0.05))
+    try:
+        assert [n.address for n in tier.nodes] == [node.address]
+        keys, chunks = _prefix(90, 4)
+        assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 4
+        assert tier.get(keys) == chunks
+    finally:
+        tier.close()
