@@ -97,7 +97,8 @@ class GrpcTier(TierBase):
         token = read_token(config)
         creds = channel_credentials(config)
         self.cluster = Cluster(config, resolver, lambda n: NodeClient(n, config, token, creds), name, periodic)
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"kvtier-{name}")
+        # One thread per node a verb waits on: a 512-chunk prompt at G=8, R=2 asks up to 128.
+        self._pool = ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"kvtier-{name}")
         self.cluster.refresh()
         self._check_start()
         self.cluster.start()
