@@ -6,9 +6,11 @@ test_grpc_cluster.py."""
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,10 +19,17 @@ import xxhash
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers.remote.membership import ResolveError, dns_resolver, node_name, resolver_for
-from kvtier.tiers.remote.placement import PLACEMENT_VERSION, VNODES, Ring, prefix_placement
+from kvtier.tiers.remote.placement import (
+    PLACEMENT_VERSION,
+    VNODES,
+    Ring,
+    prefix_placement,
+    probe_waves,
+)
 from tests.kvtier_servers import make_keys
 
-VECTORS = Path(__file__).parent / "vectors" / "placement_v1.json"
+REPO = Path(__file__).resolve().parent.parent
+VECTORS = REPO / "tests" / "vectors" / "placement_v1.json"
 MASK = (1 << 64) - 1
 
 
@@ -142,3 +151,30 @@ def test_dns_resolver_reads_a_and_aaaa_records() -> None:
     assert got == want and "127.0.0.1:7001" in got
     with pytest.raises(ResolveError):
         dns_resolver("no-such-host.invalid", 1)()
+
+
+def _cluster_sim() -> Any:
+    spec = importlib.util.spec_from_file_location("kvtier_bench_cluster_sim", REPO / "bench" / "cluster_sim.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_simulator_fleet_stops_at_the_first_missing_group() -> None:
+    """bench/cluster_sim.py's fleet (real placement, real MemoryTier indexes): a stored
+    512-chunk prefix is a full hit asking at most ceil(512/G) x R nodes; a prefix that shares
+    only its first 100 chunks hits 100 and asks no node beyond the wave holding chunk 100."""
+    sim = _cluster_sim()
+    fleet = sim.Fleet(64, 8, 2, capacity_chunks=10_000)
+    first = sim.chain(b"sim test", 512)
+    assert fleet.lookup_and_store(first)[0] == 0
+    hits, asked, _ = fleet.lookup_and_store(first)
+    assert hits == 512 and len(asked) <= (512 // 8) * 2
+    other = first[:100] + sim.chain(b"sim test other", 412, start=first[99])
+    hits, asked, _ = fleet.lookup_and_store(other)
+    anchors, placement = sim.place_prefix(fleet.ring, other, 8, 2)
+    waves = probe_waves(anchors)
+    last = next(hi for lo, hi in waves if lo <= 100 < hi)
+    assert hits == 100
+    assert asked == {n for p in range(last) for n in placement[p]}
