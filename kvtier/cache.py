@@ -96,7 +96,7 @@ class PrefixCache:
 
     def lookup(self, tokens: Tokens, *, full_chunks_only: bool = False) -> PrefixHit:
         keys = self.keys(tokens, full_chunks_only=full_chunks_only)
-        res = self.store.lookup(keys)
+        res = self.store.lookup(keys, prefix=keys)
         spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
         hit_tokens = spans[res.hits - 1][1] if res.hits else 0
         self._count(res.runs, spans, hit_tokens, len(tokens), res.reason)
@@ -110,24 +110,26 @@ class PrefixCache:
         if max_tokens is not None:
             n = sum(1 for _, end in spans if end <= max_tokens)
             keys, spans = keys[:n], spans[:n]
-        run = self.load_verified(keys, spans)
+        run = self.load_verified(keys, spans, prefix=keys)
         hit_tokens = spans[len(run.payloads) - 1][1] if run.payloads else 0
         return LoadedPrefix(hit_tokens, run.payloads, run.shapes, run.per_tier, run.reason)
 
     def load_verified(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]],
-                      first_index: int = 0) -> VerifiedRun:
+                      first_index: int = 0, prefix: Sequence[bytes] | None = None) -> VerifiedRun:
         """Load ``keys`` (chunks ``first_index``.. of one prefix, token ``spans`` each) and verify
         every chunk; the first bad one is deleted from every tier (so it is recomputed and saved
-        again), counted, and ends the run. Never raises for store trouble."""
-        res = self.store.load(keys)
+        again), counted, and ends the run. ``prefix``: the whole prefix's keys from chunk 0
+        (where a prefix-placed tier looks; see TieredStore.lookup). Never raises for store trouble."""
+        res = self.store.load(keys, prefix=prefix)
         return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
 
     def load_verified_into(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]],
-                           outs: Sequence[memoryview], first_index: int = 0) -> VerifiedRun:
+                           outs: Sequence[memoryview], first_index: int = 0,
+                           prefix: Sequence[bytes] | None = None) -> VerifiedRun:
         """:meth:`load_verified` into caller-owned buffers (one per key, each large enough for
         its chunk; page-aligned for O_DIRECT reads): the payloads returned are views of
         ``outs``, valid while the caller leaves those buffers alone."""
-        res = self.store.load_into(keys, outs)
+        res = self.store.load_into(keys, outs, prefix=prefix)
         return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
 
     def _verify(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]], chunks: Sequence[Buf],
@@ -165,7 +167,7 @@ class PrefixCache:
         """
         keys = self.keys(tokens, full_chunks_only=full_chunks_only)
         spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
-        first = max(start_chunk, self.store.lookup(keys).hits)
+        first = max(start_chunk, self.store.lookup(keys, prefix=keys).hits)
         entries: list[Entry] = []
         for i in range(first, len(keys)):
             start, end = spans[i]
@@ -173,7 +175,7 @@ class PrefixCache:
             data = encode_chunk(self.namespace, keys[i], self.spec.kv_dtype, shape,
                                 payload_for(start, end), codec=self.codec, shuffle=self.shuffle)
             entries.append(Entry(keys[i], data, i, keys[i - 1] if i else b""))
-        return self.store.store(entries)
+        return self.store.store(entries, prefix=keys)
 
     def close(self) -> None:
         self.store.close()

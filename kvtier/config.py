@@ -89,13 +89,18 @@ class RedisTierConfig:
 class GrpcTierConfig:
     """Client of kvtier-server nodes (``host:port`` each); see docs/server.md.
 
-    Chunks go to ``replication`` nodes chosen by rendezvous hashing; every verb finishes within
+    Chunks go to ``replication`` nodes on a consistent-hash ring (docs/placement.md), G =
+    ``group_chunks`` consecutive chunks of a prefix together; every verb finishes within
     ``timeout_s``; a failing node is skipped (its chunks miss with reason ``node_down``) and
     probed again after ``backoff_s``, doubling up to ``backoff_max_s``. TLS is on when ``tls``
     or ``tls_ca`` is set (``tls_cert``/``tls_key``: client certificate for mutual TLS).
     ``data_path``: how chunk bytes travel; ``auto`` takes the fastest the node advertises:
     ``shm`` (a shared-memory segment, nodes on this host), else ``socket`` (length-prefixed
     frames on the node's data port), else ``grpc``; a failing fast path falls back to gRPC.
+    Nodes come from ``nodes`` or, when set, ``discovery`` (``dns:HOST:PORT`` or ``srv:NAME``),
+    resolved again every ``resolve_interval_s``; connections open on first use and close after
+    ``idle_close_s`` unused. A read whose node has not answered after ``hedge_after`` x
+    ``timeout_s`` also asks the next replica (0: never).
     """
 
     enabled: bool = False
@@ -114,6 +119,16 @@ class GrpcTierConfig:
     backoff_max_s: float = field(default=10.0, metadata=value_range(0.01, 3600))
     max_message_bytes: int = field(default=64 * MiB, metadata=value_range(1 * MiB, 1 * GiB, size=True))
     connections: int = field(default=4, metadata=value_range(1, 256))
+    group_chunks: int = field(default=8, metadata=value_range(1, 4096))
+    discovery: str = ""
+    resolve_interval_s: float = field(default=10.0, metadata=value_range(0.05, 3600))
+    idle_close_s: float = field(default=60.0, metadata=value_range(0.01, 86400))
+    hedge_after: float = field(default=0.5, metadata=value_range(0.0, 1.0))
+
+    def __post_init__(self) -> None:
+        kind, sep, rest = self.discovery.partition(":")
+        if self.discovery and (kind not in ("dns", "srv") or not sep or not rest):
+            raise ConfigError(f"grpc.discovery: {self.discovery!r}: expected dns:HOST:PORT or srv:NAME")
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,10 @@ def load_range(cache: PrefixCache, tokens: Sequence[int] | np.ndarray, start_chu
     wanted = max(0, end_chunk - start_chunk)
     if wanted == 0:
         return LoadedRange(start_chunk, 0)
-    keys = cache.keys(tokens[: end_chunk * c], full_chunks_only=True)[start_chunk:end_chunk]
+    prefix = cache.keys(tokens[: end_chunk * c], full_chunks_only=True)
+    keys = prefix[start_chunk:end_chunk]
     spans = [(i * c, (i + 1) * c) for i in range(start_chunk, end_chunk)]
-    run = cache.load_verified(keys, spans, first_index=start_chunk)
+    run = cache.load_verified(keys, spans, first_index=start_chunk, prefix=prefix)
     return LoadedRange(start_chunk, wanted, run.payloads, run.per_tier, run.reason, run.nbytes,
                        time.perf_counter() - t0)
 

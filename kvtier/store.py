@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvtier.codec import Buf
 from kvtier.config import KVTierConfig, StoreConfig
 from kvtier.metrics import Metrics
-from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier
+from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier, bind_prefix
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class LoadIntoResult:
 
 
 _STOP = object()
-_Job = tuple[list[Entry], int]  # (entries, first tier level to write them to)
+# (entries, first tier level to write them to, their prefix's keys when known: see bind_prefix)
+_Job = tuple[list[Entry], int, Sequence[bytes] | None]
 
 
 class TieredStore:
@@ -113,16 +114,20 @@ class TieredStore:
         return cls(build_tiers(cfg), cfg.store, metrics)
 
     # --- lookup / load -------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> LookupResult:
+        """``prefix`` (here as in load, load_into and store): the keys of the whole prefix
+        ``keys`` belong to, ``prefix[d]`` being chunk d; a prefix-placed tier (the grpc tier)
+        then finds each chunk with its group. Callers that pass it must pass it to every verb."""
         t0 = time.perf_counter()
         pos, runs, reason = 0, list[tuple[str, int]](), ABSENT
         progress = True
+        bound = [bind_prefix(t, prefix) for t in self.tiers]
         while progress and pos < len(keys):
             progress = False
-            for tier in self.tiers:
+            for tier, verbs in zip(self.tiers, bound):
                 if pos >= len(keys):
                     break
-                probe = tier.probe(keys[pos:])
+                probe = verbs.probe(keys[pos:])
                 if probe.hits:
                     runs.append((tier.name, probe.hits))
                     self.metrics.hit_chunks.labels(tier.name).inc(probe.hits)
@@ -134,13 +139,13 @@ class TieredStore:
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return LookupResult(pos, tuple(runs), reason if pos < len(keys) else ABSENT)
 
-    def load(self, keys: Sequence[bytes]) -> LoadResult:
+    def load(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> LoadResult:
         """The leading run of chunk bytes for ``keys`` (shorter when a chunk is missing)."""
         t0 = time.perf_counter()
         found: list[bytes | None] = [None] * len(keys)
 
         def fetch(tier: Tier, want: list[int]) -> list[int | Miss]:
-            values = tier.get([keys[i] for i in want])
+            values = bind_prefix(tier, prefix).get([keys[i] for i in want])
             for i, value in zip(want, values):
                 if not isinstance(value, Miss):
                     found[i] = value
@@ -148,11 +153,12 @@ class TieredStore:
 
         n, source, reason = self._cascade(len(keys), fetch)
         run = [c for c in found[:n] if c is not None]
-        self._after_load(keys, run, source)
+        self._after_load(keys, run, source, prefix)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return LoadResult(run, [self.tiers[source[i]].name for i in range(n)], reason)
 
-    def load_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> LoadIntoResult:
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                  prefix: Sequence[bytes] | None = None) -> LoadIntoResult:
         """:meth:`load` into caller-owned buffers, one per key, each large enough for its chunk
         (page-aligned buffers let the disk tier read straight into them with O_DIRECT): no
         per-chunk allocation. Promotion copies out of ``outs`` before returning, so the caller
@@ -166,12 +172,12 @@ class TieredStore:
         def fetch(tier: Tier, want: list[int]) -> list[int | Miss]:
             batch_keys = [keys[i] for i in want]
             try:
-                results = tier.get_into(batch_keys, [outs[i] for i in want])
+                results = bind_prefix(tier, prefix).get_into(batch_keys, [outs[i] for i in want])
             except ValueError:
                 # A stored chunk larger than the buffer sized for it is not a chunk of the
                 # caller's layout (forged or foreign). Read the batch the allocating way and
                 # hand it on as bytes: the caller's verification says what is wrong with it.
-                values = tier.get(batch_keys)
+                values = bind_prefix(tier, prefix).get(batch_keys)
                 oversized.update((i, v) for i, v in zip(want, values) if not isinstance(v, Miss))
                 results = [v if isinstance(v, Miss) else len(v) for v in values]
             for i, r in zip(want, results):
@@ -181,7 +187,7 @@ class TieredStore:
 
         n, source, reason = self._cascade(len(keys), fetch)
         run: list[Buf] = [oversized[i] if i in oversized else outs[i][: sizes[i]] for i in range(n)]
-        self._after_load(keys, run, source)
+        self._after_load(keys, run, source, prefix)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return LoadIntoResult(run, [self.tiers[source[i]].name for i in range(n)], reason)
 
@@ -206,14 +212,15 @@ class TieredStore:
         run = next((i for i, level in enumerate(source) if level < 0), n)
         return run, source, reason if run < n else ABSENT
 
-    def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], source: list[int]) -> None:
+    def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], source: list[int],
+                    prefix: Sequence[bytes] | None) -> None:
         if self.config.promote_on_load:
             for level in range(1, len(self.tiers)):
                 served = [Entry(keys[i], run[i], i) for i in range(len(run)) if source[i] == level]
                 if not served:
                     continue
                 for upper in self.tiers[:level]:
-                    upper.put(served)
+                    bind_prefix(upper, prefix).put(served)
                     self.metrics.promotions.labels(upper.name).inc(len(served))
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
@@ -224,31 +231,33 @@ class TieredStore:
                         # The queue keeps the entry: a copy, as ``run`` may be the caller's buffers.
                         due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), i))
             if due:
-                self._enqueue(due, 1)
+                self._enqueue(due, 1, prefix)
 
     # --- store ---------------------------------------------------------------------------
-    def store(self, entries: Sequence[Entry]) -> int:
+    def store(self, entries: Sequence[Entry], prefix: Sequence[bytes] | None = None) -> int:
         """Write-through to tier 0 now, cascade below later. Takes ownership of ``entry.data``:
-        the caller must not modify those buffers afterwards. Returns #chunks tier 0 accepted."""
+        the caller must not modify those buffers afterwards. Returns #chunks tier 0 accepted.
+        ``prefix``: the keys of the prefix the entries belong to (``prefix[d]`` is chunk d), so
+        that a prefix-placed tier puts each chunk where lookups of that prefix will ask."""
         if self._closed:
             raise RuntimeError("TieredStore is closed")
         if not entries:
             return 0
         t0 = time.perf_counter()
         top = self.tiers[0]
-        ok = top.put(entries)
+        ok = bind_prefix(top, prefix).put(entries)
         accepted = sum(ok)
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
-            self._enqueue(list(entries), 1)
+            self._enqueue(list(entries), 1, prefix)
         return accepted
 
-    def _enqueue(self, entries: list[Entry], level: int) -> None:
+    def _enqueue(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         try:
-            self._queue.put_nowait((entries, level))
+            self._queue.put_nowait((entries, level, prefix))
         except queue.Full:
             self.metrics.dropped_writes.labels(self.tiers[level].name, "queue_full").inc(len(entries))
             return
@@ -267,10 +276,10 @@ class TieredStore:
                 self._queue.task_done()
                 self.metrics.queue_depth.set(self._queue.qsize())
 
-    def _write_down(self, entries: list[Entry], level: int) -> None:
+    def _write_down(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         cascade = self.config.write_policy == "write_through"
         for tier in self.tiers[level:]:
-            ok = tier.put(entries)
+            ok = bind_prefix(tier, prefix).put(entries)
             written = sum(len(e.data) for e, k in zip(entries, ok) if k)
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
@@ -284,7 +293,8 @@ class TieredStore:
         def on_evict(key: bytes, data: bytes) -> None:
             self.metrics.evictions.labels(name, "capacity").inc()
             if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
-                self._enqueue([Entry(key, data)], level + 1)
+                # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
+                self._enqueue([Entry(key, data)], level + 1, None)
 
         return on_evict
 

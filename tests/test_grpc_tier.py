@@ -18,7 +18,7 @@ import pytest
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import NODE_DOWN, TIMEOUT, Entry, Miss, Tier
-from kvtier.tiers.remote import GrpcTier, node_seed, rendezvous
+from kvtier.tiers.remote import GrpcTier, Ring
 from tests.contract import TierContract
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
@@ -124,21 +124,24 @@ def test_bad_token_fails_at_construction(contract_server: tuple[ServerProc, list
         GrpcTier(GrpcTierConfig(enabled=True, nodes=(proc.address,), token="not-a-valid-token-at-all"))
 
 
-def test_rendezvous_is_stable_and_balanced() -> None:
+def test_ring_is_stable_and_balanced() -> None:
     nodes = [f"10.0.0.{i}:50051" for i in range(4)]
-    seeds = [node_seed(n) for n in nodes]
     keys = make_keys(4000, seed=9)
-    placed = [rendezvous(k, seeds, 2) for k in keys]
+    ring = Ring(nodes)
+    placed = [ring.place(k, 2) for k in keys]
     assert all(len(set(p)) == 2 for p in placed)
-    load = Counter(i for p in placed for i in p)
-    assert all(abs(load[i] - 2000) < 250 for i in range(4)), load
-    # Remove node 3: only keys that had it among their replicas change placement.
-    fewer = [rendezvous(k, seeds[:3], 2) for k in keys]
-    for before, after in zip(placed, fewer):
-        if 3 not in before:
+    load = Counter(n for p in placed for n in p)
+    assert all(abs(load[n] - 2000) < 250 for n in nodes), load
+    assert Ring(reversed(nodes)).place(keys[0], 2) == placed[0]  # a set: order does not matter
+    # Remove node 3: only keys that had it among their replicas change placement, and the
+    # survivors keep their rank order.
+    fewer = Ring(nodes[:3])
+    for k, before in zip(keys, placed):
+        after = fewer.place(k, 2)
+        if nodes[3] not in before:
             assert before == after
         else:
-            assert [i for i in before if i != 3] == [i for i in after if i in before]
+            assert [n for n in before if n != nodes[3]] == [n for n in after if n in before]
 
 
 def _cluster(tmp: Path, n: int) -> list[ServerProc]:
@@ -193,7 +196,7 @@ def test_sigkill_one_of_three_with_replication(tmp_path: Path) -> None:
 
         # A second node dies: exactly the chunks whose two replicas are both down miss.
         nodes[1].kill()
-        dead = {0, 1}
+        dead = {nodes[0].address, nodes[1].address}
         want_miss = {i for i, k in enumerate(keys) if set(tier.replicas(k)) <= dead}
         assert want_miss, "placement left no key on nodes 0+1 only: pick another seed"
         got = _timed(calls, "get", lambda: tier.get(keys))
@@ -209,7 +212,7 @@ def test_sigkill_one_of_three_with_replication(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert nodes[0].address not in tier.nodes_down()
         got = tier.get(keys)
-        assert all(got[i] == chunks[i] for i in range(60) if 0 in tier.replicas(keys[i]))
+        assert all(got[i] == chunks[i] for i in range(60) if nodes[0].address in tier.replicas(keys[i]))
         assert tier.check() == []
     finally:
         tier.close()
@@ -229,7 +232,7 @@ def test_hung_node_times_out_within_deadline_then_recovers(tmp_path: Path) -> No
         keys = make_keys(40, seed=12)
         chunks = [make_chunk(k, 8000, i) for i, k in enumerate(keys)]
         assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 40
-        on_hung = {i for i, k in enumerate(keys) if tier.replicas(k) == [0]}
+        on_hung = {i for i, k in enumerate(keys) if tier.replicas(k) == [nodes[0].address]}
         assert 0 < len(on_hung) < 40
         os.kill(nodes[0].proc.pid, signal.SIGSTOP)  # accepts TCP, answers nothing: a hang
         calls: list[tuple[str, float]] = []

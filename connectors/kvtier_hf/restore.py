@@ -77,7 +77,8 @@ def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tok
 
     def read(b: int) -> VerifiedRun:
         lo, hi = b * batch, min((b + 1) * batch, len(keys))
-        return prefix_cache.load_verified_into(keys[lo:hi], spans[lo:hi], buffers[b % 2][: hi - lo], lo)
+        return prefix_cache.load_verified_into(keys[lo:hi], spans[lo:hi], buffers[b % 2][: hi - lo], lo,
+                                               prefix=keys)
 
     done, per_tier, reason, nbytes = 0, dict[str, int](), ABSENT, 0
     batches = -(-len(keys) // batch)

@@ -115,6 +115,33 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+class PrefixOps(Protocol):
+    """The read/write verbs of a tier, bound to one prefix (see :class:`PrefixPlaced`)."""
+
+    def probe(self, keys: Sequence[bytes]) -> Probe: ...
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]: ...
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]: ...
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]: ...
+
+
+@runtime_checkable
+class PrefixPlaced(Protocol):
+    """A tier that places chunks by their prefix (the grpc tier puts groups of consecutive
+    chunks on the same nodes). ``for_prefix(prefix)`` returns verbs that know each key's depth:
+    ``prefix[d]`` is chunk ``d``; every key passed to them must be one of ``prefix``'s (others
+    are placed by themselves). The store routes every call through it."""
+
+    def for_prefix(self, prefix: Sequence[bytes]) -> PrefixOps: ...
+
+
+def bind_prefix(tier: Tier, prefix: Sequence[bytes] | None) -> Tier | PrefixOps:
+    """``tier.for_prefix(prefix)`` for a prefix-placed tier, else ``tier`` itself."""
+    return tier.for_prefix(prefix) if prefix is not None and isinstance(tier, PrefixPlaced) else tier
+
+
 def check_keys(keys: Sequence[bytes]) -> None:
     """Raise ValueError unless every key is exactly KEY_BYTES bytes."""
     for k in keys:

@@ -6,13 +6,15 @@ or TLS socket across hosts), so the package is named for the remote node, not fo
 
 - ``tier``: :class:`GrpcTier`, the contract's verbs: fan-out over nodes, replication,
   deadlines, down nodes as misses.
-- ``placement``: which nodes hold a key (a pure function of the key and the node list).
+- ``placement``: which nodes hold a key (a pure, versioned function of the key, its prefix
+  and the node set: a consistent-hash ring, groups of G chunks placed together).
+- ``membership``: the node set: a static list or DNS names re-resolved periodically.
 - ``node``: one node: channel, RPCs, liveness, and the choice between data path and gRPC.
 - ``data_path`` / ``data_conn``: the socket/shm data path (a connection pool, one connection).
 - ``errors``: :class:`NodeError` and the reply guards both halves share (a leaf module).
 """
 
-from kvtier.tiers.remote.placement import node_seed, rendezvous
+from kvtier.tiers.remote.placement import PLACEMENT_VERSION, Ring, prefix_placement
 from kvtier.tiers.remote.tier import GrpcTier
 
-__all__ = ["GrpcTier", "node_seed", "rendezvous"]
+__all__ = ["PLACEMENT_VERSION", "GrpcTier", "Ring", "prefix_placement"]

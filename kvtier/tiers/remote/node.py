@@ -4,9 +4,14 @@ Every call takes an absolute ``deadline`` (``time.monotonic()`` seconds) and eit
 or raises :class:`NodeError` by then; a NodeError says whether the node itself failed
 (``down``: transport error, timeout, auth refused) or only the request was refused.
 
+Connections are lazy: nothing is opened until the first call (:meth:`NodeClient.use`), which
+opens the channel and fetches Info (and with it the data path); :meth:`close_if_idle` closes
+both again once no call has used them for a while, and the next call reopens them. So a client
+of 100 nodes holds sockets only to the nodes its recent requests touched.
+
 Threads: all methods may be called from any thread; the grpc channel is thread-safe, the
-data-path connections are pooled (one caller per connection at a time) and liveness state
-changes under a lock.
+data-path connections are pooled (one caller per connection at a time) and liveness and
+open/close state change under a lock.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -112,10 +118,9 @@ class NodeClient:
         self.address = address
         self.cfg = cfg
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        options = channel_options(cfg)
-        self.channel = (grpc.secure_channel(address, credentials, options) if credentials is not None
-                        else grpc.insecure_channel(address, options))
-        self.stub = pb_grpc.KVTierStub(self.channel)
+        self._credentials = credentials
+        self.channel: grpc.Channel | None = None  # opened by the first call (use)
+        self.stub: pb_grpc.KVTierStub | None = None
         self.info: pb.InfoReply | None = None
         self.max_chunk_bytes = cfg.max_message_bytes - (1 << 20)
         self.data: SocketDataPath | None = None  # the fast path, once Info advertised one
@@ -127,6 +132,67 @@ class NodeClient:
         self.down_reason = ""
         self.backoff = cfg.backoff_s
         self.next_probe = 0.0
+        self.inflight = 0  # calls between use() and its end
+        self.last_used = time.monotonic()
+        self.opened = 0  # times the channel was opened (tests and stats)
+        self.retired = False  # removed from the cluster: never opened again
+        self._open_lock = threading.Lock()
+
+    # --- lazy connection ---------------------------------------------------------------------------
+    @contextmanager
+    def use(self, deadline: float) -> Iterator[NodeClient]:
+        """Hold the node for one call: opens the channel and fetches Info when closed (a
+        NodeError when that fails) and keeps :meth:`close_if_idle` away until the call ends."""
+        with self._lock:
+            if self.retired:
+                raise NodeError(NODE_DOWN, f"{self.address}: removed from the cluster", down=False)
+            self.inflight += 1
+            self.last_used = time.monotonic()
+        try:
+            if self.info is None:
+                with self._open_lock:
+                    if self.info is None:
+                        self.fetch_info(deadline)
+            yield self
+        finally:
+            with self._lock:
+                self.inflight -= 1
+                self.last_used = time.monotonic()
+
+    def _ensure_channel(self) -> pb_grpc.KVTierStub:
+        with self._lock:
+            if self.stub is None:
+                options = channel_options(self.cfg)
+                self.channel = (grpc.secure_channel(self.address, self._credentials, options)
+                                if self._credentials is not None else grpc.insecure_channel(self.address, options))
+                self.stub = pb_grpc.KVTierStub(self.channel)
+                self.opened += 1
+            return self.stub
+
+    def retire(self) -> bool:
+        """No new calls from now on (a drained node); True when no call holds it any more,
+        so that it can be closed."""
+        with self._lock:
+            self.retired = True
+            return self.inflight == 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.channel is not None
+
+    def close_if_idle(self, idle_s: float) -> bool:
+        """Close the channel and data path when no call holds the node and none has for
+        ``idle_s`` seconds; True when it closed them."""
+        with self._lock:
+            if self.channel is None or self.inflight or time.monotonic() - self.last_used < idle_s:
+                return False
+            channel, data = self.channel, self.data
+            self.channel = self.stub = self.info = self.data = None
+        if data is not None:
+            data.close()
+        channel.close()
+        log.debug("grpc tier: %s idle, connections closed", self.address)
+        return True
 
     # --- liveness -------------------------------------------------------------------------------
     def mark_down(self, reason: str) -> bool:
@@ -162,7 +228,8 @@ class NodeClient:
 
     def fetch_info(self, deadline: float) -> pb.InfoReply:
         try:
-            info = self.stub.Info(pb.InfoRequest(), timeout=self._timeout(deadline), metadata=self.metadata)
+            info = self._ensure_channel().Info(pb.InfoRequest(), timeout=self._timeout(deadline),
+                                               metadata=self.metadata)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Info") from None
         self.info = info
@@ -200,7 +267,7 @@ class NodeClient:
         log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
 
     def lookup_future(self, keys: Sequence[bytes], deadline: float) -> grpc.Future:
-        return self.stub.Lookup.future(pb.LookupRequest(keys=keys), timeout=self._timeout(deadline),
+        return self._ensure_channel().Lookup.future(pb.LookupRequest(keys=keys), timeout=self._timeout(deadline),
                                        metadata=self.metadata)
 
     def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
@@ -212,7 +279,7 @@ class NodeClient:
 
     def delete(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
         try:
-            reply = self.stub.Delete(pb.DeleteRequest(keys=keys), timeout=self._timeout(deadline),
+            reply = self._ensure_channel().Delete(pb.DeleteRequest(keys=keys), timeout=self._timeout(deadline),
                                      metadata=self.metadata)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Delete") from None
@@ -220,7 +287,7 @@ class NodeClient:
 
     def stats(self, deadline: float, tenant: str = "") -> pb.StatsReply:
         try:
-            return self.stub.Stats(pb.StatsRequest(tenant=tenant), timeout=self._timeout(deadline),
+            return self._ensure_channel().Stats(pb.StatsRequest(tenant=tenant), timeout=self._timeout(deadline),
                                    metadata=self.metadata)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Stats") from None
@@ -229,7 +296,7 @@ class NodeClient:
     def grpc_get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
         out: list[bytes | Miss] = [Miss(ERROR)] * len(keys)
         try:
-            for reply in self.stub.Get(pb.GetRequest(keys=keys), timeout=self._timeout(deadline),
+            for reply in self._ensure_channel().Get(pb.GetRequest(keys=keys), timeout=self._timeout(deadline),
                                        metadata=self.metadata):
                 for item in reply.items:
                     if item.index >= len(keys):
@@ -242,7 +309,7 @@ class NodeClient:
 
     def grpc_put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         try:
-            reply = self.stub.Put(_put_messages(entries), timeout=self._timeout(deadline),
+            reply = self._ensure_channel().Put(_put_messages(entries), timeout=self._timeout(deadline),
                                   metadata=self.metadata)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Put") from None
@@ -296,10 +363,13 @@ class NodeClient:
             data.close()
 
     def close(self) -> None:
-        if self.data is not None:
-            self.data.close()
-            self.data = None
-        self.channel.close()
+        with self._lock:
+            channel, data = self.channel, self.data
+            self.channel = self.stub = self.info = self.data = None
+        if data is not None:
+            data.close()
+        if channel is not None:
+            channel.close()
 
 
 def _put_messages(entries: Sequence[Entry]) -> Any:

@@ -1,9 +1,18 @@
-"""The grpc tier: a client of one or more kvtier-server nodes.
+"""The grpc tier: a client of a cluster of kvtier-server nodes.
 
-Placement: rendezvous (highest-random-weight) hashing of each chunk key over the node
-addresses; a key lives on its top ``replication`` nodes. Adding or removing a node moves only
-the keys it gains or loses. Writes go to the live nodes among a key's replicas; reads try the
-replicas in rank order, skipping down nodes, and move to the next replica when one misses.
+Placement (``placement``, docs/placement.md): a consistent-hash ring over the node names; a
+key lives on ``replication`` nodes. Through :meth:`GrpcTier.for_prefix` (the store's route)
+``group_chunks`` consecutive chunks of a prefix share the nodes of their group's first key,
+so a request touches about ceil(chunks / G) x R nodes; the plain verbs place every key by
+itself. Writes go to the live replicas; reads ask the first live replica and move to the
+next one on a miss; a read whose node has not answered after ``hedge_after`` x ``timeout_s``
+also asks the next replica (hedging) and takes whichever answers first. A probe asks the
+groups in waves (4, then 8, 16, ... groups) and stops at the first wave with a missing key,
+so a short hit never asks the nodes of the groups behind it.
+
+Membership (``cluster``): a static ``nodes`` list or ``discovery`` re-resolved in the
+background; nodes that appear are used from the next call on, nodes that vanish are drained
+(running calls finish, no new ones start). Connections open on first use and close when idle.
 
 Deadlines: every verb computes one deadline (``timeout_s`` from its start) and every RPC or
 data-path exchange gets the time left; per-node work runs in parallel, so a verb returns
@@ -11,28 +20,24 @@ within ``timeout_s`` plus scheduling noise whatever the nodes do.
 
 Failure: a node that times out or fails at the transport is marked down; while down it gets
 no traffic and its keys miss with reason ``node_down`` (``timeout`` for the call that found
-out). A background prober calls Info on down nodes after ``backoff_s``, doubling up to
+out). The upkeep thread calls Info on down nodes after ``backoff_s``, doubling up to
 ``backoff_max_s``, and marks them up when they answer. Nothing is raised into the caller
 except for caller bugs (``ValueError``) and use after ``close`` (``RuntimeError``).
 
 Sync API, why: the contract is sync and grpc's sync stubs release the GIL while they wait,
 so a verb blocks only its caller's thread; fan-out over several nodes uses a small thread
-pool (one node: no hop). An asyncio loop in a background thread would add a cross-thread
-handoff to every verb for no gain.
+pool (one node and no hedging: no hop).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
-
-import grpc
 
 from kvtier.chunk import decode_header
 from kvtier.config import GrpcTierConfig
@@ -48,13 +53,17 @@ from kvtier.tiers.base import (
     TierUsage,
     check_keys,
 )
+from kvtier.tiers.remote.cluster import Cluster, ClusterView
 from kvtier.tiers.remote.errors import NodeError
+from kvtier.tiers.remote.hedged import read_hedged
+from kvtier.tiers.remote.membership import Resolver, resolver_for, static_resolver
 from kvtier.tiers.remote.node import NodeClient, channel_credentials, read_token
-from kvtier.tiers.remote.placement import node_seed, rendezvous
+from kvtier.tiers.remote.placement import place, probe_waves
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 V = TypeVar("V")
+_CHECKED_AT_START = 3  # nodes whose Info (and credentials) a new tier checks
 
 
 def is_whole_chunk(entry: Entry) -> bool:
@@ -67,228 +76,239 @@ def is_whole_chunk(entry: Entry) -> bool:
     return header.key == entry.key and header.nbytes == memoryview(entry.data).nbytes
 
 
-class GrpcTier(TierBase):
-    """See the module docstring. ``config.nodes`` must name at least one ``host:port``."""
+class Prefix:
+    """Chunk keys of one prefix: ``keys[d]`` is chunk ``d``."""
 
-    def __init__(self, config: GrpcTierConfig, name: str = "grpc") -> None:
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self.keys = keys
+
+
+class GrpcTier(TierBase):
+    """See the module docstring. Nodes come from ``resolver`` when given (tests), else from
+    ``config.discovery``, else from ``config.nodes``."""
+
+    def __init__(self, config: GrpcTierConfig, name: str = "grpc", resolver: Resolver | None = None) -> None:
         super().__init__()
-        if not config.nodes:
-            raise TierUnavailableError("grpc tier: no nodes configured (grpc.nodes: [host:port, ...])")
-        if len(set(config.nodes)) != len(config.nodes):
-            raise TierUnavailableError(f"grpc tier: a node is listed twice in {config.nodes}")
         self.name = name
         self.config = config
-        self.replication = min(config.replication, len(config.nodes))
+        periodic = resolver is not None or bool(config.discovery)
+        if resolver is None:
+            resolver = self._config_resolver(config)
         token = read_token(config)
         creds = channel_credentials(config)
-        self.nodes = [NodeClient(addr, config, token, creds) for addr in config.nodes]
-        self._seeds = [node_seed(n.address) for n in self.nodes]
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.nodes)),
-                                        thread_name_prefix=f"kvtier-{name}")
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._connect_all()
-        self._prober = threading.Thread(target=self._probe_loop, name=f"kvtier-{name}-prober", daemon=True)
-        self._prober.start()
+        self.cluster = Cluster(config, resolver, lambda n: NodeClient(n, config, token, creds), name, periodic)
+        # One thread per node a verb waits on: a 512-chunk prompt at G=8, R=2 asks up to 128.
+        self._pool = ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"kvtier-{name}")
+        self.cluster.refresh()
+        self._check_start()
+        self.cluster.start()
 
-    # --- placement --------------------------------------------------------------------------------
-    def replicas(self, key: bytes) -> list[int]:
-        """Indexes of ``key``'s nodes, best first (rendezvous hashing)."""
-        if len(self.nodes) == 1:
-            return [0]
-        return rendezvous(key, self._seeds, self.replication)
+    @staticmethod
+    def _config_resolver(config: GrpcTierConfig) -> Resolver:
+        if config.discovery:
+            try:
+                return resolver_for(config.discovery)
+            except ValueError as exc:
+                raise TierUnavailableError(f"grpc tier: {exc}") from None
+        if not config.nodes:
+            raise TierUnavailableError("grpc tier: no nodes configured (grpc.nodes: [host:port, ...] "
+                                       "or grpc.discovery: dns:HOST:PORT)")
+        if len(set(config.nodes)) != len(config.nodes):
+            raise TierUnavailableError(f"grpc tier: a node is listed twice in {config.nodes}")
+        return static_resolver(config.nodes)
 
-    # --- connection management -----------------------------------------------------------------
-    def _connect_all(self) -> None:
-        """Info on every node in parallel; an auth refusal everywhere is a misconfiguration."""
+    def _check_start(self) -> None:
+        """Info on a few nodes: an auth refusal by every one is a misconfiguration."""
+        view = self.cluster.view
         deadline = time.monotonic() + min(self.config.timeout_s, 5.0)
-        errors = self._fanout([(i, partial(self._connect, n, deadline)) for i, n in enumerate(self.nodes)])
+        order = [n for n in self.config.nodes if n in view.clients] or sorted(view.clients)
+        checked = order[:_CHECKED_AT_START]
+        errors = self._fanout([(n, self._job(view.clients[n], deadline, lambda c: None)) for n in checked])
         refused = [e for e in errors.values() if isinstance(e, NodeError) and e.code in
                    ("UNAUTHENTICATED", "PERMISSION_DENIED")]
-        if refused and len(refused) == len(self.nodes):
+        if refused and len(refused) == len(checked):
             self.close()
             raise TierUnavailableError(f"grpc tier: every node refused the credentials: {refused[0]}")
+        for n, e in errors.items():
+            if isinstance(e, NodeError):
+                view.clients[n].mark_down(str(e))
 
-    def _connect(self, node: NodeClient, deadline: float) -> None:
-        try:
-            node.fetch_info(deadline)  # also (re)opens the node's data path
-        except NodeError as exc:
-            node.mark_down(str(exc))
-            raise
-        node.mark_up()
+    # --- placement --------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[NodeClient]:
+        """The current members, by name."""
+        view = self.cluster.view
+        return [view.clients[n] for n in sorted(view.clients)]
 
-    def _probe_loop(self) -> None:
-        while True:
-            with self._wake:
-                if self._stopping:
-                    return
-                now = time.monotonic()
-                due = [n for n in self.nodes if not n.up and n.next_probe <= now]
-                if not due:
-                    waits = [n.next_probe - now for n in self.nodes if not n.up]
-                    self._wake.wait(timeout=min(waits) if waits else None)
-                    continue
-            for node in due:
-                deadline = time.monotonic() + min(self.config.timeout_s, 1.0)
-                try:
-                    self._connect(node, deadline)
-                except NodeError:
-                    pass  # _connect marked it down again, with a longer backoff
+    def replicas(self, key: bytes) -> list[str]:
+        """Names of the nodes holding ``key`` placed by itself (the plain verbs), best first."""
+        return self.placement([key])[0]
 
-    def _failed(self, node: NodeClient, exc: NodeError) -> None:
+    def placement(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> list[list[str]]:
+        """Replica names of each key; with ``prefix``, keys are placed by their group."""
+        return self._placement(self.cluster.view, keys, Prefix(prefix) if prefix is not None else None)[1]
+
+    def _placement(self, view: ClusterView, keys: Sequence[bytes], prefix: Prefix | None
+                   ) -> tuple[list[bytes], list[list[str]]]:
+        """(anchor key, replica names) of each key."""
+        if view.ring is None:
+            return list(keys), [[] for _ in keys]
+        return place(view.ring, keys, prefix.keys if prefix is not None else None, self.config.group_chunks,
+                     self.config.replication)
+
+    def for_prefix(self, prefix: Sequence[bytes]) -> PrefixVerbs:
+        return PrefixVerbs(self, Prefix(prefix))
+
+    # --- fan-out ------------------------------------------------------------------------------------
+    def _job(self, client: NodeClient, deadline: float, fn: Callable[[NodeClient], T]) -> Callable[[], T]:
+        def run() -> T:
+            with client.use(deadline):
+                return fn(client)
+        return run
+
+    def _fanout(self, jobs: Sequence[tuple[str, Callable[[], T]]]) -> dict[str, T | NodeError]:
+        """Run ``jobs`` (node name, call) in parallel; each call ends by the deadline itself."""
+        if len(jobs) == 1:
+            n, fn = jobs[0]
+            try:
+                return {n: fn()}
+            except NodeError as exc:
+                return {n: exc}
+        futures: list[tuple[str, Future[T]]] = [(n, self._pool.submit(fn)) for n, fn in jobs]
+        out: dict[str, T | NodeError] = {}
+        for n, fut in futures:
+            try:
+                out[n] = fut.result()
+            except NodeError as exc:
+                out[n] = exc
+        return out
+
+    def _failed(self, client: NodeClient, exc: NodeError) -> None:
         if exc.down:
-            node.mark_down(str(exc))
-            with self._wake:
-                self._wake.notify()
+            client.mark_down(str(exc))
+            self.cluster.wake()
         else:
             log.warning("grpc tier: %s", exc)
 
-    # --- fan-out ------------------------------------------------------------------------------------
-    def _fanout(self, jobs: Sequence[tuple[int, Callable[[], T]]]) -> dict[int, T | NodeError]:
-        """Run ``jobs`` (node index, call) in parallel; each call ends by the deadline itself."""
-        if len(jobs) == 1:
-            i, fn = jobs[0]
-            try:
-                return {i: fn()}
-            except NodeError as exc:
-                return {i: exc}
-        futures: list[tuple[int, Future[T]]] = [(i, self._pool.submit(fn)) for i, fn in jobs]
-        out: dict[int, T | NodeError] = {}
-        for i, fut in futures:
-            try:
-                out[i] = fut.result()
-            except NodeError as exc:
-                out[i] = exc
-        return out
-
-    def _live(self, indexes: Sequence[int]) -> list[int]:
-        return [i for i in indexes if self.nodes[i].up]
+    @staticmethod
+    def _live(view: ClusterView, names: Sequence[str]) -> list[str]:
+        return [n for n in names if n in view.clients and view.clients[n].up]
 
     # --- verbs ----------------------------------------------------------------------------------------
     def _probe(self, keys: Sequence[bytes]) -> Probe:
+        return self._probe_in(keys, None)
+
+    def _probe_in(self, keys: Sequence[bytes], prefix: Prefix | None) -> Probe:
         if not keys:
             return Probe(0)
         deadline = time.monotonic() + self.config.timeout_s
-        placement = [self.replicas(k) for k in keys]
-        per_node: dict[int, list[int]] = defaultdict(list)  # node -> positions of its keys
-        for pos, reps in enumerate(placement):
-            for i in self._live(reps):
-                per_node[i].append(pos)
-        results = self._fanout([(i, partial(self.nodes[i].lookup, [keys[j] for j in p], deadline))
-                                for i, p in per_node.items()])
-        present: set[int] = set()
-        failed: dict[int, str] = {}
-        for i, result in results.items():
-            if isinstance(result, NodeError):
-                self._failed(self.nodes[i], result)
-                failed[i] = result.reason
-            else:
-                present.update(per_node[i][: result.hits])
-        for pos, reps in enumerate(placement):
-            if pos not in present:
-                return Probe(pos, self._miss_reason(reps, failed, results))
+        view = self.cluster.view
+        anchors, placement = self._placement(view, keys, prefix)
+        for lo, hi in probe_waves(anchors):
+            per_node: dict[str, list[int]] = defaultdict(list)  # node -> positions of its keys
+            for pos in range(lo, hi):
+                for n in self._live(view, placement[pos]):
+                    per_node[n].append(pos)
+            results = self._fanout([(n, self._job(view.clients[n], deadline, partial(
+                NodeClient.lookup, keys=[keys[j] for j in p], deadline=deadline))) for n, p in per_node.items()])
+            present: set[int] = set()
+            failed: dict[str, str] = {}
+            for n, result in results.items():
+                if isinstance(result, NodeError):
+                    self._failed(view.clients[n], result)
+                    failed[n] = result.reason
+                else:
+                    present.update(per_node[n][: result.hits])
+            for pos in range(lo, hi):
+                if pos not in present:
+                    return Probe(pos, _miss_reason(placement[pos], failed, results))
         return Probe(len(keys))
 
-    def _miss_reason(self, reps: list[int], failed: dict[int, str], results: Mapping[int, object]) -> str:
-        live = [i for i in reps if i in results and i not in failed]
-        if live:
-            first = results[live[0]]
-            return first.reason if isinstance(first, Probe) else ABSENT
-        reasons = [failed[i] for i in reps if i in failed]
-        return TIMEOUT if TIMEOUT in reasons else (reasons[0] if reasons else NODE_DOWN)
-
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
+        return self._get_in(keys, None)
+
+    def _get_in(self, keys: Sequence[bytes], prefix: Prefix | None) -> list[bytes | Miss]:
         check_keys(keys)
         self._check_open()
-        return self._read(keys, lambda node, pos, deadline: node.get([keys[j] for j in pos], deadline))
+        return self._read(keys, prefix, lambda node, pos, deadline: node.get([keys[j] for j in pos], deadline))
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
-        """Chunk bytes land in ``outs`` directly (data path: ``recv_into`` the caller's buffer)."""
+        return self._get_into_in(keys, outs, None)
+
+    def _get_into_in(self, keys: Sequence[bytes], outs: Sequence[memoryview], prefix: Prefix | None
+                     ) -> list[int | Miss]:
+        """Chunk bytes land in ``outs`` directly (data path: ``recv_into`` the caller's buffer).
+        Hedging is off here: two nodes must never write one caller buffer at once."""
         check_keys(keys)
         if len(keys) != len(outs):
             raise ValueError(f"get_into got {len(keys)} keys and {len(outs)} buffers")
         self._check_open()
-        return self._read(keys, lambda node, pos, deadline: node.get_into(
-            [keys[j] for j in pos], [outs[j] for j in pos], deadline))
+        return self._read(keys, prefix, lambda node, pos, deadline: node.get_into(
+            [keys[j] for j in pos], [outs[j] for j in pos], deadline), hedge=False)
 
-    def _read(self, keys: Sequence[bytes],
-              fetch: Callable[[NodeClient, list[int], float], Sequence[V | Miss]]) -> list[V | Miss]:
-        """Each key from its best live replica; a miss moves on to the next replica."""
-        deadline = time.monotonic() + self.config.timeout_s
-        out: list[V | Miss] = [Miss(NODE_DOWN)] * len(keys)  # left so: all replicas down
-        answered: set[int] = set()  # positions whose first reachable replica has answered
-        todo = {pos: self.replicas(k) for pos, k in enumerate(keys)}
-        while todo and time.monotonic() < deadline:
-            per_node: dict[int, list[int]] = defaultdict(list)
-            for pos, reps in todo.items():
-                live = self._live(reps)
-                if live:
-                    per_node[live[0]].append(pos)
-            if not per_node:
-                break
-            results = self._fanout([(i, partial(fetch, self.nodes[i], p, deadline))
-                                    for i, p in per_node.items()])
-            next_todo: dict[int, list[int]] = {}
-            for i, result in results.items():
-                positions = per_node[i]
-                values: Sequence[V | Miss]
-                if isinstance(result, NodeError):
-                    self._failed(self.nodes[i], result)
-                    values = [Miss(result.reason)] * len(positions)
-                else:
-                    values = result
-                for pos, value in zip(positions, values):
-                    if not isinstance(value, Miss):
-                        out[pos] = value
-                        continue
-                    if pos not in answered:  # report the best-ranked replica's reason
-                        out[pos] = value
-                        answered.add(pos)
-                    rest = [r for r in todo[pos] if r != i]
-                    if rest:  # a replica written while this one was down may have it
-                        next_todo[pos] = rest
-            todo = next_todo
-        return out
+    def _read(self, keys: Sequence[bytes], prefix: Prefix | None,
+              fetch: Callable[[NodeClient, list[int], float], Sequence[V | Miss]],
+              hedge: bool = True) -> list[V | Miss]:
+        view = self.cluster.view
+        _, placement = self._placement(view, keys, prefix)
+        hedge_s = self.config.hedge_after * self.config.timeout_s if hedge and self.config.replication > 1 else 0.0
+        return read_hedged(view, placement, fetch, self._pool, self.config.timeout_s, hedge_s, self._failed)
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:
+        return self._put_in(entries, None)
+
+    def _put_in(self, entries: Sequence[Entry], prefix: Prefix | None) -> list[bool]:
         check_keys([e.key for e in entries])
         self._check_open()
         deadline = time.monotonic() + self.config.timeout_s
-        per_node: dict[int, list[int]] = defaultdict(list)
+        view = self.cluster.view
+        _, placement = self._placement(view, [e.key for e in entries], prefix)
+        per_node: dict[str, list[int]] = defaultdict(list)
         for pos, e in enumerate(entries):
             if not is_whole_chunk(e):
                 log.warning("grpc tier: not storing %s: not a whole chunk of that key", e.key.hex()[:16])
                 continue  # nodes refuse it, and with it the rest of its batch: drop it alone
-            for i in self._live(self.replicas(e.key)):
-                if len(e.data) <= self.nodes[i].max_chunk_bytes:
-                    per_node[i].append(pos)
-        results = self._fanout([(i, partial(self.nodes[i].put, [entries[j] for j in p], deadline))
-                                for i, p in per_node.items()])
+            for n in self._live(view, placement[pos]):
+                per_node[n].append(pos)
+
+        def put_fitting(client: NodeClient, pos: list[int]) -> list[bool]:
+            # The node's limit is known once it is open (Info), so it is applied here.
+            fit = [p for p in pos if len(entries[p].data) <= client.max_chunk_bytes]
+            flags = dict(zip(fit, client.put([entries[p] for p in fit], deadline) if fit else []))
+            return [flags.get(p, False) for p in pos]
+
+        results = self._fanout([(n, self._job(view.clients[n], deadline, partial(put_fitting, pos=p)))
+                                for n, p in per_node.items()])
         stored = [False] * len(entries)
-        for i, result in results.items():
+        for n, result in results.items():
             if isinstance(result, NodeError):
-                self._failed(self.nodes[i], result)
+                self._failed(view.clients[n], result)
                 continue
-            for pos, ok in zip(per_node[i], result):
+            for pos, ok in zip(per_node[n], result):
                 stored[pos] = stored[pos] or ok
         return stored
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        return self._delete_in(keys, None)
+
+    def _delete_in(self, keys: Sequence[bytes], prefix: Prefix | None) -> int:
         check_keys(keys)
         self._check_open()
         deadline = time.monotonic() + self.config.timeout_s
-        per_node: dict[int, list[int]] = defaultdict(list)
-        for pos, k in enumerate(keys):
-            for i in self._live(self.replicas(k)):
-                per_node[i].append(pos)
-        results = self._fanout([(i, partial(self.nodes[i].delete, [keys[j] for j in p], deadline))
-                                for i, p in per_node.items()])
+        view = self.cluster.view
+        _, placement = self._placement(view, keys, prefix)
+        per_node: dict[str, list[int]] = defaultdict(list)
+        for pos in range(len(keys)):
+            for n in self._live(view, placement[pos]):
+                per_node[n].append(pos)
+        results = self._fanout([(n, self._job(view.clients[n], deadline, partial(
+            NodeClient.delete, keys=[keys[j] for j in p], deadline=deadline))) for n, p in per_node.items()])
         existed = [False] * len(keys)
-        for i, result in results.items():
+        for n, result in results.items():
             if isinstance(result, NodeError):
-                self._failed(self.nodes[i], result)
+                self._failed(view.clients[n], result)
                 continue
-            for pos, flag in zip(per_node[i], result):
+            for pos, flag in zip(per_node[n], result):
                 existed[pos] = existed[pos] or flag
         return sum(existed)
 
@@ -296,12 +316,14 @@ class GrpcTier(TierBase):
         """This tenant's bytes summed over the live nodes (replicas counted once per node)."""
         self._check_open()
         deadline = time.monotonic() + self.config.timeout_s
-        live = self._live(range(len(self.nodes)))
-        results = self._fanout([(i, partial(self.nodes[i].stats, deadline)) for i in live])
+        view = self.cluster.view
+        live = self._live(view, sorted(view.clients))
+        results = self._fanout([(n, self._job(view.clients[n], deadline, partial(NodeClient.stats, deadline=deadline)))
+                                for n in live])
         used = cap = entries = 0
-        for i, result in results.items():
+        for n, result in results.items():
             if isinstance(result, NodeError):
-                self._failed(self.nodes[i], result)
+                self._failed(view.clients[n], result)
                 continue
             for t in result.tenants:
                 used += t.used_bytes
@@ -310,17 +332,47 @@ class GrpcTier(TierBase):
         return TierUsage(self.name, used, cap, entries)
 
     def nodes_down(self) -> list[str]:
-        return [n.address for n in self.nodes if not n.up]
+        view = self.cluster.view
+        return sorted(n for n, c in view.clients.items() if not c.up)
 
     def _close(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify_all()
-        if threading.current_thread() is not getattr(self, "_prober", None) and hasattr(self, "_prober"):
-            self._prober.join(timeout=5)
+        self.cluster.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for node in self.nodes:
-            try:
-                node.close()
-            except (grpc.RpcError, OSError) as exc:  # closing must not raise into the caller
-                log.debug("grpc tier: closing %s: %s", node.address, exc)
+
+
+def _miss_reason(reps: list[str], failed: dict[str, str], results: Mapping[str, object]) -> str:
+    live = [n for n in reps if n in results and n not in failed]
+    if live:
+        first = results[live[0]]
+        return first.reason if isinstance(first, Probe) else ABSENT
+    reasons = [failed[n] for n in reps if n in failed]
+    return TIMEOUT if TIMEOUT in reasons else (reasons[0] if reasons else NODE_DOWN)
+
+
+class PrefixVerbs:
+    """The tier's verbs bound to one prefix: keys are placed by their group's first key."""
+
+    def __init__(self, tier: GrpcTier, prefix: Prefix) -> None:
+        self.tier = tier
+        self.prefix = prefix
+        self.name = tier.name
+
+    def probe(self, keys: Sequence[bytes]) -> Probe:
+        check_keys(keys)
+        self.tier._check_open()
+        return self.tier._probe_in(keys, self.prefix)
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        return self.probe(keys).hits
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
+        return self.tier._get_in(keys, self.prefix)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
+        return self.tier._get_into_in(keys, outs, self.prefix)
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]:
+        return self.tier._put_in(entries, self.prefix)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.tier._delete_in(keys, self.prefix)

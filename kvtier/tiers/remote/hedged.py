@@ -1,0 +1,124 @@
+"""A read over replicas: best live replica first, the next one on a miss, hedged when slow.
+
+Each key is asked of its first live replica (one call per node for all its keys). A key that
+misses there is asked of its next replica in a later round (a replica written while the first
+was down may hold it). With ``hedge_s`` > 0, the keys of a node that has not answered
+``hedge_s`` after the round started are also asked of their next live replica at once, and
+each key takes the first hit; the slow call is left to end by its deadline (a NodeError it
+raises then still marks its node down).
+
+Result per key: the bytes from whichever replica had them, else the miss of its best-ranked
+replica that answered, else ``node_down`` (no replica live) or the failing call's reason.
+Threads: runs on the caller's thread; node calls run on ``pool``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from functools import partial
+from typing import TypeVar
+
+from kvtier.tiers.base import NODE_DOWN, Miss
+from kvtier.tiers.remote.cluster import ClusterView
+from kvtier.tiers.remote.errors import NodeError
+from kvtier.tiers.remote.node import NodeClient
+
+V = TypeVar("V")
+Fetch = Callable[[NodeClient, list[int], float], Sequence[V | Miss]]
+
+
+def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fetch[V], pool: Executor,
+                timeout_s: float, hedge_s: float,
+                failed: Callable[[NodeClient, NodeError], None]) -> list[V | Miss]:
+    deadline = time.monotonic() + timeout_s
+    n = len(placement)
+    out: list[V | Miss] = [Miss(NODE_DOWN)] * n
+    answered: set[int] = set()  # keys whose best reachable replica has given a reason
+    done_keys: set[int] = set()  # keys served
+    tried: list[set[str]] = [set() for _ in range(n)]
+
+    def live_next(pos: int) -> str | None:
+        for name in placement[pos]:
+            client = view.clients.get(name)
+            if name not in tried[pos] and client is not None and client.up:
+                return name
+        return None
+
+    def call(name: str, positions: list[int]) -> Sequence[V | Miss]:
+        client = view.clients[name]
+        with client.use(deadline):
+            return fetch(client, positions, deadline)
+
+    def submit(batches: dict[str, list[int]]) -> dict[Future[Sequence[V | Miss]], tuple[str, list[int]]]:
+        for name, positions in batches.items():
+            for pos in positions:
+                tried[pos].add(name)
+        if len(batches) == 1 and hedge_s <= 0:  # one node, nothing to race: no thread hop
+            ((name, positions),) = batches.items()
+            fut: Future[Sequence[V | Miss]] = Future()
+            try:
+                fut.set_result(call(name, positions))
+            except NodeError as exc:
+                fut.set_exception(exc)
+            return {fut: (name, positions)}
+        return {pool.submit(call, name, positions): (name, positions) for name, positions in batches.items()}
+
+    todo = list(range(n))
+    while todo and time.monotonic() < deadline:
+        batches: dict[str, list[int]] = defaultdict(list)
+        for pos in todo:
+            name = live_next(pos)
+            if name is not None:
+                batches[name].append(pos)
+        if not batches:
+            break
+        round_start = time.monotonic()
+        pending = submit(batches)
+        hedged = hedge_s <= 0
+        while pending:
+            open_keys = {p for _, ps in pending.values() for p in ps if p not in done_keys}
+            if not open_keys:
+                break  # every key of the calls still running was served by another replica
+            # Every call ends by the deadline itself (and marks its node down if it times
+            # out), so once hedging is done the wait needs no timeout of its own.
+            limit = None if hedged else max(0.0, round_start + hedge_s - time.monotonic())
+            finished, _ = wait(list(pending), timeout=limit, return_when=FIRST_COMPLETED)
+            if not finished:
+                hedged = True
+                extra: dict[str, list[int]] = defaultdict(list)
+                for pos in sorted(open_keys):
+                    name = live_next(pos)
+                    if name is not None:
+                        extra[name].append(pos)
+                pending.update(submit(extra))
+                continue
+            for fut in finished:
+                name, positions = pending.pop(fut)
+                try:
+                    values: Sequence[V | Miss] = fut.result()
+                except NodeError as exc:
+                    failed(view.clients[name], exc)
+                    values = [Miss(exc.reason)] * len(positions)
+                for pos, value in zip(positions, values):
+                    if pos in done_keys:
+                        continue
+                    if not isinstance(value, Miss):
+                        out[pos] = value
+                        done_keys.add(pos)
+                    elif pos not in answered:  # report the best-ranked replica's reason
+                        out[pos] = value
+                        answered.add(pos)
+        for fut, (name, _) in pending.items():  # abandoned slow calls: still mark their node
+            fut.add_done_callback(partial(_late, client=view.clients[name], failed=failed))
+        todo = [p for p in range(n) if p not in done_keys and live_next(p) is not None
+                and not any(p in ps for _, ps in pending.values())]
+    return out
+
+
+def _late(fut: Future[Sequence[V | Miss]], client: NodeClient, failed: Callable[[NodeClient, NodeError], None]) -> None:
+    exc = fut.exception()
+    if isinstance(exc, NodeError):
+        failed(client, exc)
