@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,7 +240,10 @@ class Storage:
     """Every tenant's store, built at start (so each disk index is rebuilt at start)."""
 
     def __init__(self, tenants: Iterable[Tenant], cpu: CpuTierConfig, disk: DiskTierConfig,
-                 default_quota_bytes: int = 0) -> None:
+                 default_quota_bytes: int = 0,
+                 store_factory: Callable[..., TenantStore] | None = None) -> None:
+        # store_factory(tenant, ram, disk): kvtier.server.lower's stores over a lower tier.
+        make_store = store_factory or TenantStore
         tenants = list(tenants)
         if not cpu.enabled and not disk.enabled:
             raise ValueError("the server needs the cpu tier, the disk tier or both enabled")
@@ -263,7 +266,7 @@ class Storage:
                     stats = disk_tier.rebuild_stats
                     log.info("tenant %s: disk index rebuilt: %d chunks, %d bytes, %d bad files removed",
                              tenant.name, stats.files, stats.bytes, stats.bad)
-                self.stores[tenant.name] = TenantStore(tenant, ram, disk_tier)
+                self.stores[tenant.name] = make_store(tenant, ram, disk_tier)
         except BaseException:
             self.close()
             raise
