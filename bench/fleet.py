@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._stats import Stats, fmt, gbps, median, timed
+from bench._stats import Stats, fmt, gbps, median
 from kvtier.config import GrpcTierConfig, RedisTierConfig
 from kvtier.errors import KVTierError
 from kvtier.tiers.base import Entry, Miss
@@ -61,6 +61,12 @@ def _wait_visible(tier: GrpcTier, keys: list[bytes], timeout: float = 60.0) -> f
             raise RuntimeError(f"node 2 did not see the prefix within {timeout} s")
         time.sleep(0.001)
     return time.perf_counter() - start
+
+
+def _timed_get(tier: Any, keys: list[bytes]) -> tuple[float, list[bytes | Miss]]:
+    start = time.perf_counter()
+    values: list[bytes | Miss] = tier.get(keys)
+    return time.perf_counter() - start, values
 
 
 def _check(values: list[bytes | Miss], chunks: list[bytes], what: str) -> None:
@@ -94,23 +100,12 @@ def run(reps: int, chunks: int, chunk_bytes: int) -> dict[str, Any]:
                 raise RuntimeError("node 1 refused a Put")
             visible.append(_wait_visible(t2, keys))
             got: dict[str, list[bytes | Miss]] = {}
-
-            def composed() -> None:
-                got["cold"] = t2.get(keys)
-
-            def redis_direct() -> None:
-                got["direct"] = direct.get(keys)
-
-            order = [(composed, cold), (redis_direct, red)]
-            for fn, sink in (order if rep % 2 else order[::-1]):
-                sink.append(gbps(nbytes, timed(fn)))
-
-            def again() -> None:
-                got["warm"] = t2.get(keys)
-
-            warm.append(gbps(nbytes, timed(again)))
-            for what in ("cold", "direct", "warm"):
-                _check(got[what], values, what)
+            order: list[tuple[str, Any, list[float]]] = [("cold", t2, cold), ("direct", direct, red)]
+            for what, tier, sink in (order if rep % 2 else order[::-1]) + [("warm", t2, warm)]:
+                seconds, got[what] = _timed_get(tier, keys)
+                sink.append(gbps(nbytes, seconds))
+            for what, restored in got.items():
+                _check(restored, values, what)
         kill = _kill_round(cluster, t1, t2, chunks, chunk_bytes)
     finally:
         for t in tiers:
