@@ -9,9 +9,11 @@ with every other node through a cluster people already operate.
   A full queue drops the chunk for the lower tier and counts it (``dropped``); a chunk Redis
   refuses (master down, OOM, timeout) is counted ``failed``. A Put never waits on Redis.
 - Probe / Get: a run that stops in RAM/disk continues in Redis (one pipelined round trip per
-  master touched). Chunks read from Redis are verified (header key, length, payload checksum)
-  before they are served or promoted into the node's tiers; a chunk that fails is a
-  ``corrupt`` miss, never bytes handed on.
+  master touched). Chunks a lookup finds there are prefetched into the node's tiers in the
+  background (the Get that follows waits for them instead of asking Redis chunk by chunk);
+  a Get that still misses reads Redis itself. Chunks read from Redis are verified (header
+  key, length, payload checksum) before they are served or promoted; a chunk that fails is
+  a ``corrupt`` miss, never bytes handed on.
 - Tenancy: tenant ``t``'s chunks live under the Redis key prefix ``<redis.key_prefix>:<t>``
   (one :class:`RedisTier` per tenant); quotas apply to the node's tiers only, Redis bounds
   itself (``maxmemory``, ``redis.ttl_s``).
@@ -22,15 +24,15 @@ with every other node through a cluster people already operate.
   of tier ``redis`` (not a node-tier miss); the writer's counts are under ``"lower"`` in
   ``/api/stats`` and ``kvtier_server_lower_*`` on ``/metrics``.
 
-Threads: verbs may be called from any thread (as :class:`TenantStore`'s); the writer owns one
-daemon thread per tenant. ``close`` drains the queue for up to ``drain_s`` and drops the rest.
+Threads: verbs may be called from any thread (as :class:`TenantStore`'s); the writer and the
+prefetcher (kvtier.server.lower_io) own one thread each per tenant. ``close`` drains the
+queue for up to ``drain_s`` and drops the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,114 +44,12 @@ from kvtier.chunk import HEADER_SIZE, decode_header
 from kvtier.errors import ChunkError
 from kvtier.server.auth import Tenant
 from kvtier.server.config import ServerConfig
+from kvtier.server.lower_io import WRITE_OUTCOMES, Prefetcher, WriteThrough
 from kvtier.server.storage import Storage, TenantStore, Traffic
-from kvtier.tiers.base import CORRUPT, Entry, Miss, Probe, Tier
+from kvtier.tiers.base import CORRUPT, Entry, Miss, Probe
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.redis import RedisTier
-
-_BATCH_CHUNKS = 64          # chunks per Redis round trip from the writer
-_BATCH_BYTES = 16 << 20     # ... and at most this many bytes
-WRITE_OUTCOMES = ("queued", "written", "dropped", "failed")
-
-
-class WriteThrough:
-    """A bounded queue of chunk copies drained into ``tier`` by one daemon thread.
-
-    ``offer`` never blocks on the tier: what does not fit in ``max_bytes`` is dropped and
-    counted. Bytes stay counted against the bound until the tier call that takes them
-    returns, so the bound covers what is in flight too."""
-
-    def __init__(self, tier: Tier, max_bytes: int, name: str) -> None:
-        self.tier = tier
-        self.max_bytes = max_bytes
-        self._cond = threading.Condition()
-        self._items: deque[Entry] = deque()
-        self._bytes = 0
-        self._busy = False
-        self._closing = False
-        self._abandon = False
-        self.counts: Counter[str] = Counter({k: 0 for k in WRITE_OUTCOMES})
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def queued_bytes(self) -> int:
-        return self._bytes
-
-    def offer(self, entries: Iterable[Entry]) -> None:
-        # Copy outside the lock: the caller may reuse its buffers (shm segment) on return.
-        copies = [Entry(e.key, bytes(e.data), e.depth, e.parent) for e in entries]
-        if not copies:
-            return
-        with self._cond:
-            for e in copies:
-                n = len(e.data)
-                if self._closing or self._bytes + n > self.max_bytes:
-                    self.counts["dropped"] += 1
-                    continue
-                self._items.append(e)
-                self._bytes += n
-                self.counts["queued"] += 1
-            self._cond.notify_all()
-
-    def discard(self, keys: Sequence[bytes]) -> None:
-        """Forget queued (not yet sent) chunks of ``keys``: a Delete must not be undone."""
-        gone = set(keys)
-        with self._cond:
-            kept = [e for e in self._items if e.key not in gone]
-            for e in self._items:
-                if e.key in gone:
-                    self._bytes -= len(e.data)
-            self._items = deque(kept)
-
-    def _take(self) -> list[Entry] | None:
-        with self._cond:
-            while not self._items and not self._closing:
-                self._cond.wait()
-            if not self._items or self._abandon:
-                return None
-            batch: list[Entry] = []
-            size = 0
-            while self._items and len(batch) < _BATCH_CHUNKS and size < _BATCH_BYTES:
-                e = self._items.popleft()
-                batch.append(e)
-                size += len(e.data)
-            self._busy = True
-            return batch
-
-    def _run(self) -> None:
-        while (batch := self._take()) is not None:
-            ok = self.tier.put(batch)  # the tier contract: failures are False, never raised
-            with self._cond:
-                self._bytes -= sum(len(e.data) for e in batch)
-                self.counts["written"] += sum(ok)
-                self.counts["failed"] += len(ok) - sum(ok)
-                self._busy = False
-                self._cond.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until everything queued so far has been handed to the tier; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._items and not self._busy, timeout)
-
-    def close(self, drain_s: float) -> None:
-        """Stop taking chunks, give the queue ``drain_s`` to drain, drop (and count) the rest."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(drain_s)
-        with self._cond:
-            self._abandon = True
-            self.counts["dropped"] += len(self._items)
-            self._bytes -= sum(len(e.data) for e in self._items)
-            self._items.clear()
-            self._cond.notify_all()
-        self._thread.join(drain_s)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._cond:
-            return {**self.counts, "queue_bytes": self._bytes, "queue_chunks": len(self._items)}
 
 
 class LowerTraffic(Traffic):
@@ -164,6 +64,7 @@ class LowerTraffic(Traffic):
         self._delta: dict[str, Counter[str]] = {"lookup": Counter(), "get": Counter()}
         self._lower_hits: Counter[str] = Counter()
         self._lower_bytes = 0
+        self.prefetched = 0
 
     def moved(self, op: str, outcomes: Iterable[tuple[str, str | None]], nbytes: int = 0) -> None:
         """Each ``(node-tier miss reason, lower outcome)``; outcome None = served by Redis."""
@@ -176,6 +77,10 @@ class LowerTraffic(Traffic):
                     self._delta[op][new] += 1
             self._lower_bytes += nbytes
 
+    def count_prefetched(self, chunks: int) -> None:
+        with self._lock:
+            self.prefetched += chunks
+
     def snapshot(self) -> dict[str, Any]:
         doc = super().snapshot()
         with self._lock:
@@ -186,7 +91,7 @@ class LowerTraffic(Traffic):
                 if self._lower_hits[op]:
                     doc[op]["hit_chunks"][self._tier_name] = self._lower_hits[op]
             doc["bytes_out"] += self._lower_bytes
-        doc["lower"] = self._writer()
+        doc["lower"] = {**self._writer(), "prefetched": self.prefetched}
         return doc
 
 
@@ -210,6 +115,8 @@ class LoweredStore(TenantStore):
         self.drain_s = drain_s
         self.writer = WriteThrough(lower, queue_bytes, f"kvtier-lower-{self.tenant.name}")
         self.traffic: LowerTraffic = LowerTraffic(lower.name, self.writer.snapshot)
+        self.prefetcher = Prefetcher(self._prefetch, f"kvtier-prefetch-{self.tenant.name}")
+        self._wait_s = 2 * lower.config.timeout_s
 
     def probe(self, keys: Sequence[bytes]) -> Probe:
         local = super().probe(keys)
@@ -220,9 +127,12 @@ class LoweredStore(TenantStore):
         outcomes: list[tuple[str, str | None]] = [(local.reason, None)] * more.hits
         outcomes += [(local.reason, more.reason)] * (rest - more.hits)
         self.traffic.moved("lookup", outcomes)
+        if more.hits:
+            self.prefetcher.start(keys[local.hits:local.hits + more.hits])
         return Probe(local.hits + more.hits, more.reason)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
+        self.prefetcher.wait(keys, self._wait_s)
         result = super().get(keys)
         missing = [i for i, v in enumerate(result) if isinstance(v, Miss)]
         if missing:
@@ -233,6 +143,7 @@ class LoweredStore(TenantStore):
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         """As ``TenantStore.get_into``; a chunk fetched from Redis that does not fit its
         buffer is promoted first and then raises ValueError (a retry finds it locally)."""
+        self.prefetcher.wait(keys, self._wait_s)
         result = super().get_into(keys, outs)
         missing = [i for i, v in enumerate(result) if isinstance(v, Miss)]
         if not missing:
@@ -275,6 +186,14 @@ class LoweredStore(TenantStore):
         self.traffic.moved("get", outcomes, nbytes)
         return out
 
+    def _prefetch(self, keys: list[bytes]) -> None:
+        """Background: ``keys`` from Redis into the node's tiers (verified); not counted as
+        request traffic (the Get that follows counts as a node-tier hit)."""
+        promote = [Entry(k, v) for k, v in zip(keys, self.lower.get(keys))
+                   if not isinstance(v, Miss) and intact(k, v)]
+        if promote:
+            self.traffic.count_prefetched(sum(TenantStore.put(self, promote)))
+
     def put(self, entries: Sequence[Entry]) -> list[bool]:
         stored = super().put(entries)
         self.writer.offer(e for e, ok in zip(entries, stored) if ok)
@@ -296,6 +215,7 @@ class LoweredStore(TenantStore):
 
     def close(self) -> None:
         try:
+            self.prefetcher.close()
             self.writer.close(self.drain_s)
             self.lower.close()
         finally:
