@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.cluster import RedisCluster
 
-from kvtier.config import RedisTierConfig
+from kvtier.config import GrpcTierConfig, RedisTierConfig
 from kvtier.server.lower_io import WriteThrough
-from kvtier.tiers.base import Entry
+from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.redis import RedisTier
-from tests.kvtier_servers import ServerProc, make_keys, start_server
+from kvtier.tiers.remote import GrpcTier
+from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 from tests.redis_servers import FAST, RedisClusterServers, RedisServer, have_redis
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server/redis-cli not installed")
@@ -176,3 +178,49 @@ def test_write_through_queue_is_bounded_drops_and_counts(tmp_path: Path) -> None
         writer.close(1.0)
         tier.close()
         server.cleanup()
+
+
+def test_grpc_path_reads_the_cluster_and_never_serves_a_corrupt_value(
+        nodes: list[ServerProc], cluster: RedisClusterServers) -> None:
+    """Without a lookup first (no prefetch) and over gRPC instead of shm: node 2's Get reads
+    Redis itself; a value in Redis that is not the chunk of its key is a ``corrupt`` miss."""
+    node1, node2 = nodes
+    t1, t2 = (GrpcTier(GrpcTierConfig(enabled=True, nodes=(n.address,), token=TOKENS["alice"],
+                                      data_path="grpc")) for n in (node1, node2))
+    try:
+        keys = make_keys(6, seed=99)
+        chunks = [make_chunk(k, 20_000, i) for i, k in enumerate(keys)]
+        assert t1.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 6
+        prefix = "kvtier:alice:v1:"
+        wait_for(lambda: all(redis_value(cluster, prefix + k.hex()) is not None for k in keys))
+        # tamper with two values in Redis: another key's chunk, and a flipped payload byte
+        set_redis_value(cluster, prefix + keys[4].hex(), chunks[0])
+        bad = bytearray(chunks[5])
+        bad[-1] ^= 0xFF
+        set_redis_value(cluster, prefix + keys[5].hex(), bytes(bad))
+        got = t2.get(keys)
+        assert got[:4] == chunks[:4]
+        assert [type(v).__name__ for v in got[4:]] == ["Miss", "Miss"]
+        misses = stats(node2)["get"]["miss_chunks"]
+        assert misses.get("corrupt", 0) >= 2, misses
+        # the good ones were promoted, the corrupt ones were not
+        assert t2.get(keys[:4]) == chunks[:4]
+        assert all(isinstance(v, Miss) for v in t2.get(keys[4:]))
+    finally:
+        t1.close()
+        t2.close()
+
+
+def _cluster_client(cluster: RedisClusterServers) -> RedisCluster:
+    return RedisCluster(host="127.0.0.1", port=cluster.nodes[1].port, socket_timeout=2)
+
+
+def redis_value(cluster: RedisClusterServers, name: str) -> bytes | None:
+    with _cluster_client(cluster) as c:
+        value = c.get(name)
+    return None if value is None else bytes(value)
+
+
+def set_redis_value(cluster: RedisClusterServers, name: str, value: bytes) -> None:
+    with _cluster_client(cluster) as c:
+        c.set(name, value)
