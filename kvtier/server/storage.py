@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,7 +266,10 @@ class Storage:
     """Every tenant's store, built at start (so each disk index is rebuilt at start)."""
 
     def __init__(self, tenants: Iterable[Tenant], cpu: CpuTierConfig, disk: DiskTierConfig,
-                 default_quota_bytes: int = 0) -> None:
+                 default_quota_bytes: int = 0,
+                 store_factory: Callable[..., TenantStore] | None = None) -> None:
+        # store_factory(tenant, ram, disk): kvtier.server.lower's stores over a lower tier.
+        make_store = store_factory or TenantStore
         tenants = list(tenants)
         if not cpu.enabled and not disk.enabled:
             raise ValueError("the server needs the cpu tier, the disk tier or both enabled")
@@ -291,7 +294,7 @@ class Storage:
                     stats = disk_tier.rebuild_stats
                     log.info("tenant %s: disk index rebuilt: %d chunks, %d bytes, %d bad files removed",
                              tenant.name, stats.files, stats.bytes, stats.bad)
-                self.stores[tenant.name] = TenantStore(tenant, ram, disk_tier)
+                self.stores[tenant.name] = make_store(tenant, ram, disk_tier)
             if disk.enabled:
                 pool = DiskPool(disk.capacity_bytes, {n: s.disk for n, s in self.stores.items()
                                                       if s.disk is not None}, shares)
