@@ -45,3 +45,7 @@ def test_sglang_venv_keeps_its_packages_to_itself() -> None:
 
 def test_backend_on_real_sglang_pools_every_layout_and_failure() -> None:
     run_checks("check_backend.py")
+
+
+def test_backend_under_the_real_hicache_controller_threads_with_faults() -> None:
+    run_checks("check_controller.py")

@@ -18,7 +18,15 @@ import torch
 from fakes import FaultyTier
 from kvtier_sglang import KVTierStorage
 from kvtier_sglang.pages import as_bytes, geometry_of, page_view
-from pools import MHA_LAYOUTS, MLA_LAYOUTS, fill_random, mha_pools, mla_host, pages_of, storage_config
+from pools import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    fill_random,
+    mha_pools,
+    mla_host,
+    pages_of,
+    storage_config,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
