@@ -20,7 +20,7 @@ VENV = Path(os.environ.get("KVTIER_SGLANG_VENV", "/work/venvs/sglang"))
 PYTHON = VENV / "bin" / "python"
 
 
-def run_checks(module: str, *args: str, timeout: float = 900) -> None:
+def run_checks(*modules: str, timeout: float = 900) -> None:
     if not PYTHON.exists():
         msg = f"SGLang venv absent ({PYTHON}); scripts/test.sh creates it"
         if os.environ.get("CI", "").lower() == "true":
@@ -31,7 +31,7 @@ def run_checks(module: str, *args: str, timeout: float = 900) -> None:
     env.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
     env.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-           f"tests/sglang/{module}", *args]
+           *(f"tests/sglang/{m}" for m in modules)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} -> rc {proc.returncode}\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
 
@@ -43,8 +43,8 @@ def test_sglang_venv_keeps_its_packages_to_itself() -> None:
     assert importlib.util.find_spec("sglang") is None
 
 
-def test_backend_on_real_sglang_pools_every_layout_and_failure() -> None:
-    run_checks("check_backend.py")
+def test_backend_on_real_sglang_pools_every_layout_tier_and_failure() -> None:
+    run_checks("check_backend.py", "check_tiers.py")
 
 
 def test_backend_under_the_real_hicache_controller_threads_with_faults() -> None:
