@@ -194,8 +194,10 @@ def page_hash_seed(extra_key: str | None, cache_salt: str | None) -> bytes | Non
     ``SHA-256("sglang-cache-namespace-v1" ‖ part(extra_key) ‖ part(cache_salt))`` where
     ``part(None) = 0x00`` and ``part(s) = 0x01 ‖ uint64_le(len(utf8(s))) ‖ utf8(s)``: the same
     bytes as SGLang's ``storage_namespace_seed`` (LoRA ``extra_key``, tenant ``cache_salt``),
-    so tenants with different salts never share a page chain.
+    so tenants with different salts never share a page chain. An empty ``cache_salt`` is no
+    salt (None), as in SGLang's ``RadixKey``; an empty ``extra_key`` is a distinct namespace.
     """
+    cache_salt = cache_salt or None
     if extra_key is None and cache_salt is None:
         return None
     digest = hashlib.sha256(PAGE_SEED_TAG)

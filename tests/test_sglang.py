@@ -1,4 +1,4 @@
-"""SGLang HiCache backend checks, run in the SGLang venv (tests/sglang/check_*.py).
+"""SGLang HiCache backend checks, run in the SGLang venv (tests/sglang_checks/check_*.py).
 
 SGLang pins its own torch and transformers, so it lives in a venv of its own
 (``$KVTIER_SGLANG_VENV``, default /work/venvs/sglang, built by scripts/test.sh) and never in this
@@ -26,12 +26,12 @@ def run_checks(*modules: str, timeout: float = 900) -> None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg + " (CI must run the SGLang checks)")
         pytest.skip(msg)
-    paths = [ROOT, ROOT / "connectors", ROOT / "tests" / "stubs", ROOT / "tests", ROOT / "tests" / "sglang"]
+    paths = [ROOT, ROOT / "connectors", ROOT / "tests" / "stubs", ROOT / "tests", ROOT / "tests" / "sglang_checks"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
     env.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
     env.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-           *(f"tests/sglang/{m}" for m in modules)]
+           *(f"tests/sglang_checks/{m}" for m in modules)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} -> rc {proc.returncode}\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
 
@@ -40,7 +40,12 @@ def test_sglang_venv_keeps_its_packages_to_itself() -> None:
     """The venv's sglang must not be importable here (it would bring its own pins)."""
     import importlib.util
 
+    import compressed_tensors
+    import transformers
+
     assert importlib.util.find_spec("sglang") is None
+    for mod in (transformers, compressed_tensors):
+        assert not str(mod.__file__).startswith(str(VENV)), f"{mod.__name__} comes from {VENV}"
 
 
 def test_backend_on_real_sglang_pools_every_layout_tier_and_failure() -> None:

@@ -9,6 +9,7 @@ page keys come from SGLang's own ``get_storage_hash_str``.
 from __future__ import annotations
 
 import ctypes
+import json
 from array import array
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,15 @@ def test_x1_page_chain_is_sglangs_native_page_hash(namespace: dict[str, str]) ->
     native = [bytes.fromhex(h) for h in keys_for(tokens, **namespace)]
     seed = page_hash_seed(namespace.get("extra_key"), namespace.get("cache_salt"))
     assert page_hashes(tokens, PAGE, seed, include_partial=True) == native
+
+
+def test_x1_vectors_page_chain_is_what_sglang_computes() -> None:
+    vectors = json.loads((Path(__file__).parents[1] / "vectors" / "keys_x1.json").read_text())
+    for case in vectors:
+        page = case["layout"]["chunk_tokens"]
+        key = RadixKey(array("q", case["tokens"]), extra_key=case["extra_key"], cache_salt=case["cache_salt"])
+        native = get_storage_hash_str(key, None, page_size=page)
+        assert native[: len(case["tokens"]) // page] == case["page_hashes_hex"], case["model_id"]
 
 
 def test_failures_are_per_page_false_and_counted_never_none_never_raised() -> None:
