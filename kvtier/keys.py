@@ -178,7 +178,7 @@ def tenant_salt(server_secret: bytes, tenant_id: str) -> bytes:
     return hmac.new(server_secret, tenant_id.encode(), hashlib.sha256).digest()
 
 
-# --- Cross-engine keys: schema ``kvtier/x1`` (docs/keys.md, tests/vectors/keys_x1.json) ------
+# --- Cross-engine keys: schema ``kvtier/x1`` (docs/sglang.md, tests/vectors/keys_x1.json) ------
 # Engines that never hand a storage backend their tokens (SGLang's HiCache passes only its own
 # SHA-256 page-hash chain) cannot compute the token chain above. The x1 schema keys one page of
 # ``P = chunk_tokens`` tokens by that engine-neutral page chain instead, inside kvtier's

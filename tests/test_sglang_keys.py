@@ -1,6 +1,6 @@
-"""Cross-engine key schema ``kvtier/x1`` (docs/keys.md), pinned by tests/vectors/keys_x1.json.
+"""Cross-engine key schema ``kvtier/x1`` (docs/sglang.md), pinned by tests/vectors/keys_x1.json.
 
-The vectors are recomputed here with plain hashlib/struct from the rules on the docs page, so a
+The vectors are recomputed here with plain hashlib/struct from the rules in docs/sglang.md, so a
 change to kvtier.keys that changes any byte fails. (That the page chain is SGLang's own
 ``get_storage_hash_str`` is checked against SGLang itself in tests/sglang_checks/check_backend.py.)
 """
@@ -43,7 +43,7 @@ def _plain_namespace(case: dict[str, Any]) -> bytes:
 
 
 def _plain_seed(extra_key: str | None, cache_salt: str | None) -> bytes:
-    cache_salt = cache_salt or None  # empty salt = no salt (docs/keys.md)
+    cache_salt = cache_salt or None  # empty salt = no salt (docs/sglang.md)
     if extra_key is None and cache_salt is None:
         return b""
     h = hashlib.sha256(b"sglang-cache-namespace-v1")

@@ -1,4 +1,4 @@
-"""The token side of the cross-engine key schema ``kvtier/x1`` (docs/keys.md).
+"""The token side of the cross-engine key schema ``kvtier/x1`` (docs/sglang.md).
 
 SGLang's backend sees only page hashes; an engine that holds the prompt's tokens (transformers,
 vLLM, a prefill service) computes the same page chain from them (``kvtier.keys.xengine_keys``)
