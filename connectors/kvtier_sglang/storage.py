@@ -76,6 +76,7 @@ class KVTierStorage(HiCacheStorage):
         self._buffer: torch.Tensor | None = None
         self._written: set[bytes] = set()
         self._written_lock = threading.Lock()
+        self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
         shared = self.cfg.disk.enabled or self.cfg.redis.enabled or self.cfg.grpc.enabled
         # An MLA latent is written once (by SGLang's storage-writer rank) when the other ranks
         # can read it from a shared tier; with only the process-local cpu tier each rank keeps
@@ -183,19 +184,26 @@ class KVTierStorage(HiCacheStorage):
     def _encode(self, cache: PrefixCache, geo: PageGeometry, views: list[torch.Tensor],
                 xkeys: list[bytes], first: int, depth0: int, parent0: bytes) -> list[Entry]:
         """Chunks of pages ``first..`` (``views[j]`` is page ``first + j``): each page is copied
-        once into a canonical batch buffer, which ``encode_chunk`` frames."""
+        into this thread's canonical scratch page (reused: fresh memory would cost page faults
+        on every write), which ``encode_chunk`` frames into the chunk the store takes."""
         if not views:
             return []
-        batch = np.empty((len(views), *as_bytes(views[0]).shape), np.uint8)
         shape = cache.spec.layout.chunk_shape(geo.page_tokens)
+        scratch = self._scratch_page(as_bytes(views[0]).shape)
         entries = []
         for j, view in enumerate(views):
             i = first + j
-            np.copyto(batch[j], as_bytes(view))
-            data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape, batch[j],
+            np.copyto(scratch, as_bytes(view))
+            data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape, scratch,
                                 codec=cache.codec, shuffle=cache.shuffle)
             entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
         return entries
+
+    def _scratch_page(self, shape: tuple[int, ...]) -> np.ndarray:
+        page = getattr(self._local, "page", None)
+        if page is None or page.shape != shape:
+            page = self._local.page = np.empty(shape, np.uint8)
+        return page
 
     # --- legacy per-page tensor API (SGLang without interface_v1) ------------------------------
     def exists(self, key: str) -> bool:
