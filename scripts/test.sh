@@ -22,6 +22,11 @@ $PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # sglang --no-deps plus the few modules its storage imports need, torch held by a constraint.
 # Idempotent: a stamp holding the recipe skips the install when nothing changed.
 SGLANG_VENV=${KVTIER_SGLANG_VENV:-/work/venvs/sglang}
+# SGLang compiles its page-hash extension on first use (C++17, -lcrypto): needs g++ and OpenSSL headers.
+if ! command -v g++ >/dev/null || ! echo '#include <openssl/sha.h>' | g++ -x c++ -E - >/dev/null 2>&1; then
+    echo "test.sh: installing g++ and libssl-dev (SGLang's page-hash extension)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ libssl-dev >/dev/null
+fi
 SGLANG_RECIPE="sglang==0.5.23 gguf transformers==5.19.0 compressed-tensors==0.18.0 sentencepiece==0.2.1 apache-tvm-ffi==0.1.11"
 if [ "$(cat "$SGLANG_VENV/.kvtier-recipe" 2>/dev/null)" != "$SGLANG_RECIPE" ]; then
     echo "test.sh: creating the sglang venv at $SGLANG_VENV (about 1-2 min)" >&2
