@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # What a storage call may raise that must not reach SGLang's threads: kvtier's own errors, I/O,
 # bad indices from the caller, a closed store. Anything else is a bug and propagates.
 _FAILURES = (KVTierError, OSError, RuntimeError, ValueError)
+# clear() forgets at most this many of our own page keys (~100 MB): memory stays bounded on a
+# long-running server; beyond it, clear() removes the first ones only (logged once).
+_MAX_TRACKED = 1 << 20
 
 
 class KVTierStorage(HiCacheStorage):
@@ -172,8 +175,7 @@ class KVTierStorage(HiCacheStorage):
         except _FAILURES as exc:
             self._fail("set", len(keys), exc)
             return [False] * len(keys)
-        with self._written_lock:
-            self._written.update(e.key for e in entries)
+        self._track(entries)
         ok = accepted == len(entries)
         if not ok:
             self._fail("set", len(entries) - accepted, RuntimeError("the first tier refused pages"))
@@ -194,10 +196,19 @@ class KVTierStorage(HiCacheStorage):
         for j, view in enumerate(views):
             i = first + j
             np.copyto(scratch, as_bytes(view))
-            data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape, scratch,
+            data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape, scratch.data,
                                 codec=cache.codec, shuffle=cache.shuffle)
             entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
         return entries
+
+    def _track(self, entries: list[Entry]) -> None:
+        with self._written_lock:
+            room = _MAX_TRACKED - len(self._written)
+            if room < len(entries) and not self.stats.snapshot().get("untracked_pages"):
+                log.warning("kvtier_sglang: tracking %d pages for clear(); newer pages are not "
+                            "tracked", _MAX_TRACKED)
+            self._written.update(e.key for e in entries[:max(room, 0)])
+        self.stats.add("untracked_pages", max(len(entries) - max(room, 0), 0))
 
     def _scratch_page(self, shape: tuple[int, ...]) -> np.ndarray:
         page = getattr(self._local, "page", None)
@@ -255,8 +266,7 @@ class KVTierStorage(HiCacheStorage):
         except _FAILURES as exc:
             self._fail("set", len(keys), exc)
             return False
-        with self._written_lock:
-            self._written.update(e.key for e in entries)
+        self._track(entries)
         self.stats.wrote(accepted, accepted * geo.page_bytes, 0.0)
         return accepted == len(entries)
 
