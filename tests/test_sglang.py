@@ -52,5 +52,5 @@ def test_backend_on_real_sglang_pools_every_layout_tier_and_failure() -> None:
     run_checks("check_backend.py", "check_tiers.py")
 
 
-def test_controller_threads_with_faults_and_pages_shared_with_transformers() -> None:
-    run_checks("check_controller.py", "check_xengine.py")
+def test_controller_threads_faults_two_tp_ranks_and_pages_shared_with_transformers() -> None:
+    run_checks("check_controller.py", "check_xengine.py", "check_tp.py")
