@@ -4,6 +4,9 @@ These modules run only in the SGLang venv (scripts/test.sh builds it; tests/test
 starts them), never in the main test environment: they import sglang at module level.
 A real device pool (``MHATokenToKVPool`` / ``MLATokenToKVPool`` on ``device="cpu"``) gives the
 buffer info the real host pool is built from; ``pin_memory=False`` because CPU torch cannot pin.
+Host pools are booked against a fixed budget with SGLang's own ``host_memory_budget_scope`` (what
+the scheduler does): otherwise SGLang keeps 10 GiB of the machine's free RAM in reserve, and these
+tiny pools fail on a busy 24 GiB machine although they need kilobytes.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+HOST_BUDGET = 4 << 30
 BACKEND = {"backend_name": "kvtier", "module_path": "kvtier_sglang", "class_name": "KVTierStorage",
            "interface_v1": 1}
 
@@ -28,9 +33,10 @@ def mha_pools(layout: str, *, page: int = 4, heads: int = 2, head_dim: int = 8, 
     dev = MHATokenToKVPool(size=size, page_size=page, dtype=dtype, head_num=heads, head_dim=head_dim,
                            layer_num=layers, device="cpu", enable_memory_saver=False,
                            start_layer=0, end_layer=layers - 1)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, ratio, 0, page, layout,
-                                pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
-                                start_layer=dev.start_layer, end_layer=dev.end_layer)
+    with host_memory_budget_scope(HOST_BUDGET):
+        host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, ratio, 0, page, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=dev.start_layer, end_layer=dev.end_layer)
     return dev, host
 
 
@@ -38,10 +44,11 @@ def mla_host(layout: str, *, page: int = 4, layers: int = 3, size: int = 64,
              dtype: torch.dtype = torch.bfloat16) -> MLATokenToKVPoolHost:
     dev = MLATokenToKVPool(size, page, dtype, kv_lora_rank=32, qk_rope_head_dim=8, layer_num=layers,
                            device="cpu", enable_memory_saver=False, start_layer=0, end_layer=layers - 1)
-    return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
-                                pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
-                                start_layer=dev.start_layer, end_layer=dev.end_layer,
-                                target_layer_num=layers)
+    with host_memory_budget_scope(HOST_BUDGET):
+        return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=dev.start_layer, end_layer=dev.end_layer,
+                                    target_layer_num=layers)
 
 
 def storage_config(layout: str, extra: dict[str, Any] | None = None, *, mla: bool = False,
