@@ -206,3 +206,70 @@ def tenant_salt(server_secret: bytes, tenant_id: str) -> bytes:
     if not server_secret:
         raise ValueError("tenant_salt needs a non-empty server secret")
     return hmac.new(server_secret, tenant_id.encode(), hashlib.sha256).digest()
+
+
+# --- Cross-engine keys: schema ``kvtier/x1`` (docs/sglang.md, tests/vectors/keys_x1.json) ------
+# Engines that never hand a storage backend their tokens (SGLang's HiCache passes only its own
+# SHA-256 page-hash chain) cannot compute the token chain above. The x1 schema keys one page of
+# ``P = chunk_tokens`` tokens by that engine-neutral page chain instead, inside kvtier's
+# namespace, so any engine that holds either the tokens or the page chain finds the same chunk.
+
+XENGINE_SCHEMA = b"kvtier/x1"
+PAGE_SEED_TAG = b"sglang-cache-namespace-v1"
+
+
+def page_hash_seed(extra_key: str | None, cache_salt: str | None) -> bytes | None:
+    """Seed of a request's page chain, or None for the shared (unseeded) chain.
+
+    ``SHA-256("sglang-cache-namespace-v1" ‖ part(extra_key) ‖ part(cache_salt))`` where
+    ``part(None) = 0x00`` and ``part(s) = 0x01 ‖ uint64_le(len(utf8(s))) ‖ utf8(s)``: the same
+    bytes as SGLang's ``storage_namespace_seed`` (LoRA ``extra_key``, tenant ``cache_salt``),
+    so tenants with different salts never share a page chain. An empty ``cache_salt`` is no
+    salt (None), as in SGLang's ``RadixKey``; an empty ``extra_key`` is a distinct namespace.
+    """
+    cache_salt = cache_salt or None
+    if extra_key is None and cache_salt is None:
+        return None
+    digest = hashlib.sha256(PAGE_SEED_TAG)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+        else:
+            raw = part.encode()
+            digest.update(b"\x01" + struct.pack("<Q", len(raw)) + raw)
+    return digest.digest()
+
+
+def page_hashes(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: bytes | None = None,
+                include_partial: bool = False) -> list[bytes]:
+    """The engine-neutral page chain: ``p_0 = SHA-256([seed ‖] u32le(tokens[0:P]))``,
+    ``p_i = SHA-256(p_{i-1} ‖ u32le(tokens[iP:(i+1)P]))`` (SGLang's ``get_storage_hash_str``
+    for token ids below 2**32). Always SHA-256, whatever the namespace's hash."""
+    if page_tokens < 1:
+        raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
+    if seed is not None and len(seed) != KEY_BYTES:
+        raise ValueError(f"seed must be {KEY_BYTES} bytes, got {len(seed)}")
+    raw = tokens_to_bytes(tokens)
+    step = 4 * page_tokens
+    end = len(raw) if include_partial else len(raw) - len(raw) % step
+    out: list[bytes] = []
+    prev = seed or b""
+    for off in range(0, end, step):
+        prev = hashlib.sha256(prev + raw[off : off + step]).digest()
+        out.append(prev)
+    return out
+
+
+def xengine_key(namespace: bytes, page_hash: bytes) -> bytes:
+    """Key of the page whose chain hash is ``page_hash``:
+    ``SHA-256(field("kvtier/x1") ‖ namespace ‖ page_hash)`` (namespace: ``namespace_id`` of a
+    spec whose ``chunk_tokens`` is the page size)."""
+    if len(namespace) != KEY_BYTES or len(page_hash) != KEY_BYTES:
+        raise ValueError(f"namespace and page_hash must be {KEY_BYTES} bytes each")
+    return hashlib.sha256(_field(XENGINE_SCHEMA) + namespace + page_hash).digest()
+
+
+def xengine_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, page_tokens: int,
+                 seed: bytes | None = None) -> list[bytes]:
+    """x1 keys of every full page of ``tokens`` (what an engine holding tokens computes)."""
+    return [xengine_key(namespace, p) for p in page_hashes(tokens, page_tokens, seed)]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"kvtier": ROOT / "kvtier", "kvtier_hf": ROOT / "connectors" / "kvtier_hf",
-            "kvtier_vllm": ROOT / "connectors" / "kvtier_vllm"}
+            "kvtier_vllm": ROOT / "connectors" / "kvtier_vllm",
+            "kvtier_sglang": ROOT / "connectors" / "kvtier_sglang"}
 
 
 def _modules() -> dict[str, Path]:

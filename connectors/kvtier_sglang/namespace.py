@@ -1,0 +1,101 @@
+"""Who may share a page: SGLang's storage config + host pool geometry -> kvtier namespace.
+
+The namespace (kvtier/keys.py) hashes model id and revision, KV dtype, the canonical page
+shape (layers, kv, heads, head_dim, page tokens), the parallel rank/size and the configured
+salt. Not in it: the host layout, because pages are stored in canonical order (pages.py), so
+instances with different ``--hicache-mem-layout`` (and other engines) share pages.
+
+Ranks: an MHA page on TP rank r holds only r's heads, so rank = ``pp_rank * tp_size +
+tp_rank`` of ``pp_size * tp_size``. An MLA latent is the same on every TP rank: one copy,
+rank = ``pp_rank`` of ``pp_size``, written by the storage writer rank only. Tenants: SGLang
+seeds its page chain with the request's ``extra_key`` / ``cache_salt`` (kvtier.keys.
+page_hash_seed), so different tenants never produce the same page hash, and ``salt_hex``
+separates whole deployments on a shared cluster.
+
+Pure: imports no SGLang (the storage config is duck-typed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from typing import Any
+
+import torch
+
+from kvtier.chunk import HEADER_SIZE
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.keys import KEY_BYTES, KVLayout, NamespaceSpec, xengine_key
+
+from .pages import PageGeometry
+from .settings import SglangSettings
+
+log = logging.getLogger(__name__)
+
+TORCH_TO_KV_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16",
+                     torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn",
+                     torch.float8_e5m2: "float8_e5m2", torch.uint8: "uint8", torch.int8: "int8"}
+
+
+def check_supported(storage_config: Any) -> None:
+    """Refuse parallel set-ups whose pages are not whole canonical pages (ConfigError)."""
+    if getattr(storage_config, "should_split_heads", False):
+        raise ConfigError("tp_lcm_size: head-split pages (heterogeneous TP) are not supported "
+                          "by kvtier_sglang; drop tp_lcm_size from the extra config")
+    for name in ("attn_cp_size", "dcp_size"):
+        if int(getattr(storage_config, name, 1) or 1) > 1:
+            raise ConfigError(f"{name}: context-parallel KV shards are not supported by "
+                              f"kvtier_sglang (got {getattr(storage_config, name)})")
+
+
+def namespace_spec(storage_config: Any, geo: PageGeometry, cfg: KVTierConfig,
+                   settings: SglangSettings) -> NamespaceSpec:
+    """The namespace of this rank's pages (see the module docstring)."""
+    model_id = settings.model_id or (storage_config.model_name or "")
+    if not model_id:
+        raise ConfigError("sglang.model_id: SGLang passed no model_name; set sglang.model_id "
+                          "in the extra config to name the namespace")
+    dtype = TORCH_TO_KV_DTYPE.get(geo.dtype)
+    if dtype is None:
+        raise ConfigError(f"host pool dtype {geo.dtype} has no kvtier KV dtype; "
+                          f"supported: {sorted(TORCH_TO_KV_DTYPE.values())}")
+    pp_rank, pp_size = int(storage_config.pp_rank), int(storage_config.pp_size)
+    if geo.is_mla:
+        rank, world = pp_rank, pp_size
+    else:
+        tp_rank, tp_size = int(storage_config.tp_rank), int(storage_config.tp_size)
+        rank, world = pp_rank * tp_size + tp_rank, pp_size * tp_size
+    layout = KVLayout(num_layers=geo.layers, num_kv_heads=geo.heads, head_dim=geo.head_dim,
+                      chunk_tokens=geo.page_tokens, kv=geo.kv)
+    return NamespaceSpec(model_id=model_id, layout=layout, kv_dtype=dtype,
+                         model_revision=settings.model_revision, rank=rank, world_size=world,
+                         salt=cfg.salt, hash_name="sha256")
+
+
+def fit_slots(cfg: KVTierConfig, geo: PageGeometry) -> KVTierConfig:
+    """``cfg`` with ``cpu.slot_bytes`` raised to hold one page chunk when it is smaller (a page
+    larger than a slot would be refused on every put: a cache that never hits)."""
+    need = -(-(HEADER_SIZE + geo.page_bytes) // 4096) * 4096
+    if not cfg.cpu.enabled or cfg.cpu.slot_bytes >= need:
+        return cfg
+    log.info("cpu.slot_bytes %d < one page chunk (%d bytes): using %d", cfg.cpu.slot_bytes, need, need)
+    cpu = dataclasses.replace(cfg.cpu, slot_bytes=need, capacity_bytes=max(cfg.cpu.capacity_bytes, need))
+    return dataclasses.replace(cfg, cpu=cpu)
+
+
+def page_hash_bytes(key: str) -> bytes:
+    """SGLang hands page keys as hex SHA-256 strings; anything else (a backend-specific key
+    from another caller) is hashed, so every key maps to 32 bytes deterministically."""
+    if len(key) == 2 * KEY_BYTES:
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            pass
+    return hashlib.sha256(key.encode()).digest()
+
+
+def store_keys(namespace: bytes, keys: list[str]) -> list[bytes]:
+    """kvtier x1 keys of SGLang page keys."""
+    return [xengine_key(namespace, page_hash_bytes(k)) for k in keys]

@@ -1,0 +1,53 @@
+"""Backend configuration: SGLang's ``--hicache-storage-backend-extra-config`` -> settings.
+
+The extra config is one JSON dict. SGLang's own keys (``backend_name``, ``module_path``,
+``class_name``, ``interface_v1``, ``tp_lcm_size``) are read by SGLang and ignored here; an
+optional ``sglang`` section holds this backend's settings (below); every other key is kvtier
+configuration for ``KVTierConfig.load(overrides=...)`` (``config_file`` names a YAML file,
+``KVTIER_*`` environment variables apply underneath). Invalid values raise
+:class:`kvtier.errors.ConfigError` naming the field, at attach time (SGLang refuses to start).
+
+Pure: imports no SGLang, so the main test environment checks it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import KVTierConfig, from_dict
+from kvtier.errors import ConfigError
+
+# Keys of the extra config that SGLang itself consumes (factory loader, controller).
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1",
+                         "tp_lcm_size", "enable_metadata_cache", "metadata_ttl"})
+
+
+@dataclass(frozen=True)
+class SglangSettings:
+    """The ``sglang`` section of the extra config.
+
+    ``model_id`` / ``model_revision`` name the namespace (default: SGLang's ``model_name``, which
+    carries the host pool's format tag when it has one). Set them to the id the other engines'
+    connectors use (kvtier_hf ``model_id``, kvtier_vllm ``vllm.model_id``) to share one cache.
+    ``load`` / ``save`` switch the read and write halves off (``batch_exists`` then reports 0 /
+    ``batch_set_v1`` stores nothing but reports success).
+    """
+
+    model_id: str = ""
+    model_revision: str = ""
+    load: bool = True
+    save: bool = True
+
+
+def load_settings(extra: Mapping[str, Any] | None) -> tuple[KVTierConfig, SglangSettings]:
+    """Split and validate the extra config; raises ConfigError naming the bad field."""
+    data = {k: v for k, v in dict(extra or {}).items() if k not in SGLANG_KEYS}
+    section = data.pop("sglang", {}) or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"sglang: expected a mapping of backend settings, got {section!r}")
+    path = data.pop("config_file", None)
+    settings = from_dict(SglangSettings, section, prefix="sglang.")
+    cfg = KVTierConfig.load(path, overrides=data)
+    return cfg, settings

@@ -1,0 +1,303 @@
+"""KVTierStorage: kvtier as SGLang's HiCache L3 storage backend, loaded by configuration.
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name":"kvtier","module_path":"kvtier_sglang",
+        "class_name":"KVTierStorage","interface_v1":1, ...kvtier config...}'
+
+SGLang's ``StorageBackendFactory`` builds it as ``KVTierStorage(storage_config, kwargs)``; the
+``HiCacheController`` then calls ``register_mem_pool_host`` (which opens the store: the page
+geometry fixes the namespace) and, from its prefetch and backup threads, ``batch_exists`` /
+``batch_get_v1`` / ``batch_set_v1`` with SGLang's hex page-hash chain as keys.
+
+Contract (what SGLang relies on):
+- ``batch_exists`` returns the number of *leading* pages present; SGLang MIN-reduces it over the
+  TP ranks, and an MLA latent lives in one rank-independent namespace, so ranks agree.
+- v1 methods return one bool per key, never ``None`` and never raise: a failure is per-page
+  ``False``, a warning log line and a counter (``kvtier_stats()``), so SGLang's threads live on.
+  A page that fails verification (checksum, namespace, key, shape) is refused, deleted and
+  reported ``False``; it is never copied into the host pool.
+- Pages are copied straight between the host pool's buffer and the store in kvtier's canonical
+  chunk order (pages.py): one strided copy per page, whatever the host layout.
+
+Threads: SGLang calls from its prefetch, backup and scheduler threads concurrently; the store
+and PrefixCache are thread-safe, the host buffer regions of concurrent calls are disjoint
+(SGLang owns that), and the counters take a lock. ``close`` closes the store it opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvtier.cache import PrefixCache
+from kvtier.chunk import encode_chunk
+from kvtier.errors import KVTierError
+from kvtier.store import TieredStore
+from kvtier.tiers.base import Entry
+
+from .namespace import check_supported, fit_slots, namespace_spec, store_keys
+from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
+from .settings import load_settings
+from .stats import BackendStats
+
+log = logging.getLogger(__name__)
+
+# What a storage call may raise that must not reach SGLang's threads: kvtier's own errors, I/O,
+# bad indices from the caller, a closed store. Anything else is a bug and propagates.
+_FAILURES = (KVTierError, OSError, RuntimeError, ValueError)
+# clear() forgets at most this many of our own page keys (~100 MB): memory stays bounded on a
+# long-running server; beyond it, clear() removes the first ones only (logged once).
+_MAX_TRACKED = 1 << 20
+
+
+class KVTierStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None,
+                 *, store: TieredStore | None = None) -> None:
+        """``store``: an already open store to use instead of building one from the config
+        (tests, and processes that share one store between backends); not closed by us."""
+        check_supported(storage_config)
+        self.storage_config = storage_config
+        self.cfg, self.settings = load_settings(storage_config.extra_config)
+        self.kwargs = dict(kwargs or {})
+        self.stats = BackendStats()
+        self.mem_pool_host: Any = None
+        self.namespace = b""
+        self._store = store
+        self._owns_store = store is None
+        self._cache: PrefixCache | None = None
+        self._geo: PageGeometry | None = None
+        self._buffer: torch.Tensor | None = None
+        self._written: set[bytes] = set()
+        self._written_lock = threading.Lock()
+        self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
+        shared = self.cfg.disk.enabled or self.cfg.redis.enabled or self.cfg.grpc.enabled
+        # An MLA latent is written once (by SGLang's storage-writer rank) when the other ranks
+        # can read it from a shared tier; with only the process-local cpu tier each rank keeps
+        # its own copy, or the non-writers would never hit.
+        self._writer = bool(storage_config.is_storage_writer) or not shared
+        if not (storage_config.extra_config or {}).get("interface_v1"):
+            log.warning("kvtier_sglang: interface_v1 is not set; SGLang will use the legacy "
+                        "per-page tensor path (set \"interface_v1\": 1 for zero-copy)")
+
+    # --- attach ----------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        geo = geometry_of(mem_pool_host, bool(self.storage_config.is_mla_model))
+        cfg = fit_slots(self.cfg, geo)
+        if self._store is None:
+            self._store = TieredStore.from_config(cfg)
+        spec = namespace_spec(self.storage_config, geo, cfg, self.settings)
+        self._cache = PrefixCache(self._store, spec, codec=cfg.codec, shuffle=cfg.shuffle,
+                                  tenant=cfg.tenant)
+        self.namespace = spec.namespace_id()
+        self._geo, self._buffer = geo, mem_pool_host.kv_buffer
+        log.info("kvtier_sglang: %s %s pages of %d tokens, namespace %s (%s rank %d/%d), tiers %s",
+                 "MLA" if geo.is_mla else "MHA", geo.layout, geo.page_tokens,
+                 self.namespace.hex()[:16], spec.model_id, spec.rank, spec.world_size,
+                 [t.name for t in self._store.tiers])
+
+    def _ready(self) -> tuple[PrefixCache, PageGeometry, torch.Tensor]:
+        if self._cache is None or self._geo is None or self._buffer is None:
+            raise RuntimeError("kvtier_sglang: no host pool registered (register_mem_pool_host)")
+        return self._cache, self._geo, self._buffer
+
+    def _fail(self, verb: str, n: int, exc: BaseException) -> None:
+        self.stats.add(f"{verb}_errors")
+        log.warning("kvtier_sglang: %s of %d pages failed: %s: %s", verb, n, type(exc).__name__, exc)
+
+    # --- v1: what the controller calls ---------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Number of leading ``keys`` present in some tier (0 on failure, with a log line)."""
+        if not keys or not self.settings.load:
+            return 0
+        try:
+            cache, _, _ = self._ready()
+            hits = cache.store.lookup(store_keys(self.namespace, keys)).hits
+        except _FAILURES as exc:
+            self._fail("exists", len(keys), exc)
+            return 0
+        self.stats.add("exists_pages_hit", hits)
+        self.stats.add("exists_pages_missed", len(keys) - hits)
+        return hits
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Copy the leading verified pages of ``keys`` into the host slots ``host_indices``
+        (``len(keys) * page_size`` of them); ``True`` for each page restored."""
+        out = [False] * len(keys)
+        if not keys or not self.settings.load:
+            return out
+        t0 = time.perf_counter()
+        try:
+            cache, geo, buffer = self._ready()
+            slots = page_slots(host_indices, len(keys), geo.page_tokens)
+            run = cache.load_verified(store_keys(self.namespace, keys), [(0, geo.page_tokens)] * len(keys))
+            for i, payload in enumerate(run.payloads):
+                dst = as_bytes(page_view(geo, buffer, slots[i]))
+                np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+                out[i] = True
+        except _FAILURES as exc:
+            self._fail("get", len(keys), exc)
+        done = sum(out)
+        self.stats.read(done, done * (self._geo.page_bytes if self._geo else 0), time.perf_counter() - t0)
+        self.stats.add("pages_missed", len(keys) - done)
+        return out
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the host pages ``host_indices`` under ``keys``; pages already stored are not
+        written again. ``True`` for each page stored (or owned by another writer rank)."""
+        if not keys:
+            return []
+        if not self.settings.save or not self._writer:
+            return [True] * len(keys)
+        t0 = time.perf_counter()
+        try:
+            cache, geo, buffer = self._ready()
+            slots = page_slots(host_indices, len(keys), geo.page_tokens)
+            xkeys = store_keys(self.namespace, keys)
+            present = cache.store.lookup(xkeys).hits
+            prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
+            parent = store_keys(self.namespace, prefix[-1:])
+            entries = self._encode(cache, geo, [page_view(geo, buffer, s) for s in slots[present:]],
+                                   xkeys, present, len(prefix), parent[0] if parent else b"")
+            accepted = cache.store.store(entries)
+        except _FAILURES as exc:
+            self._fail("set", len(keys), exc)
+            return [False] * len(keys)
+        self._track(entries)
+        ok = accepted == len(entries)
+        if not ok:
+            self._fail("set", len(entries) - accepted, RuntimeError("the first tier refused pages"))
+        self.stats.add("pages_already_stored", present)
+        self.stats.wrote(accepted, accepted * geo.page_bytes, time.perf_counter() - t0)
+        return [True] * present + [ok] * (len(keys) - present)
+
+    def _encode(self, cache: PrefixCache, geo: PageGeometry, views: list[torch.Tensor],
+                xkeys: list[bytes], first: int, depth0: int, parent0: bytes) -> list[Entry]:
+        """Chunks of pages ``first..`` (``views[j]`` is page ``first + j``): each page is copied
+        into this thread's canonical scratch page (reused: fresh memory would cost page faults
+        on every write), which ``encode_chunk`` frames into the chunk the store takes."""
+        if not views:
+            return []
+        shape = cache.spec.layout.chunk_shape(geo.page_tokens)
+        scratch = self._scratch_page(as_bytes(views[0]).shape)
+        entries = []
+        for j, view in enumerate(views):
+            i = first + j
+            np.copyto(scratch, as_bytes(view))
+            data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape, scratch.data,
+                                codec=cache.codec, shuffle=cache.shuffle)
+            entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
+        return entries
+
+    def _track(self, entries: list[Entry]) -> None:
+        with self._written_lock:
+            room = _MAX_TRACKED - len(self._written)
+            if room < len(entries) and not self.stats.snapshot().get("untracked_pages"):
+                log.warning("kvtier_sglang: tracking %d pages for clear(); newer pages are not "
+                            "tracked", _MAX_TRACKED)
+            self._written.update(e.key for e in entries[:max(room, 0)])
+        self.stats.add("untracked_pages", max(len(entries) - max(room, 0), 0))
+
+    def _scratch_page(self, shape: tuple[int, ...]) -> np.ndarray:
+        page = getattr(self._local, "page", None)
+        if page is None or page.shape != shape:
+            page = self._local.page = np.empty(shape, np.uint8)
+        return page
+
+    # --- legacy per-page tensor API (SGLang without interface_v1) ------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """One page into ``target_location`` (a flat page in the host layout, as SGLang's
+        ``get_dummy_flat_data_page`` makes it) or a new tensor; None on a miss."""
+        if not self.settings.load:
+            return None
+        try:
+            cache, geo, _ = self._ready()
+            target = target_location if target_location is not None else torch.empty(
+                int(np.prod(geo.buffer_dims(geo.page_tokens))), dtype=geo.dtype)
+            run = cache.load_verified(store_keys(self.namespace, [key]), [(0, geo.page_tokens)])
+            if not run.payloads:
+                return None
+            dst = as_bytes(page_view(geo, target.view(geo.buffer_dims(geo.page_tokens)), 0))
+            np.copyto(dst, np.frombuffer(run.payloads[0], np.uint8).reshape(dst.shape))
+        except _FAILURES as exc:
+            self._fail("get", 1, exc)
+            return None
+        self.stats.add("pages_read")
+        result: torch.Tensor = target
+        return result
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        targets = target_locations if target_locations is not None else [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat host-layout pages (SGLang's ``get_data_page``) under ``keys``."""
+        if not keys:
+            return True
+        if not self.settings.save or not self._writer:
+            return True
+        try:
+            cache, geo, _ = self._ready()
+            dims = geo.buffer_dims(geo.page_tokens)
+            xkeys = store_keys(self.namespace, keys)
+            views = [page_view(geo, v.reshape(dims), 0) for v in values]
+            entries = self._encode(cache, geo, views, xkeys, 0, 0, b"")
+            accepted = cache.store.store(entries)
+        except _FAILURES as exc:
+            self._fail("set", len(keys), exc)
+            return False
+        self._track(entries)
+        self.stats.wrote(accepted, accepted * geo.page_bytes, 0.0)
+        return accepted == len(entries)
+
+    # --- lifecycle, stats ------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Delete the pages this backend stored. Pages other processes or engines stored in a
+        shared tier stay: one client of a shared cache must not wipe everyone's prefixes."""
+        with self._written_lock:
+            keys, self._written = list(self._written), set()
+        if self._store is not None and keys:
+            self._store.delete(keys)
+        log.info("kvtier_sglang: cleared %d pages", len(keys))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the calls since the previous call (the metrics
+        collector logs it when ``--enable-cache-report``/storage metrics are on)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        iv = self.stats.take_interval()
+        return StorageMetrics(prefetch_pgs=iv.prefetch_pgs, backup_pgs=iv.backup_pgs,
+                              prefetch_bandwidth=iv.prefetch_bandwidth,
+                              backup_bandwidth=iv.backup_bandwidth)
+
+    def kvtier_stats(self) -> dict[str, Any]:
+        """Counters since start (pages, bytes, per-verb errors) and each tier's usage."""
+        out: dict[str, Any] = dict(self.stats.snapshot())
+        if self._store is not None:
+            out["tiers"] = self._store.stats()
+        return out
+
+    def close(self) -> None:
+        """Flush and close the store this backend opened (idempotent)."""
+        if self._store is not None and self._owns_store:
+            self._store.close()
