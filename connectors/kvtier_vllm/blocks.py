@@ -34,6 +34,9 @@ KINDS = ("cpu_vec", "split_c", "kv_first", "opaque")
 # CPU ISAs whose cache layout was verified against the kernel; AMX/NEON/... stay opaque.
 CPU_VEC_ISAS = ("vec", "vec16")
 
+# One layer's paged KV as canonical ``[num_blocks, N, H, D]`` planes: (K, V), or (latent,) for MLA.
+Views = tuple[torch.Tensor, ...]
+
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
@@ -127,32 +130,31 @@ def _index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> tor
     return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
 
-def gather_layer(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-                 out: torch.Tensor) -> None:
-    """Copy blocks ``block_ids`` of one layer into ``out`` ``[2, len(block_ids)*N, H, D]``.
+def gather_layer(views: Views, block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor) -> None:
+    """Copy blocks ``block_ids`` of one layer into ``out`` ``[P, len(block_ids)*N, H, D]``
+    (P planes: 2 for K/V, 1 for an MLA latent).
 
     ``out`` must be contiguous and on the views' device; the copy runs on the current stream.
     """
-    k, v = views
-    idx = _index(block_ids, k.device)
+    idx = _index(block_ids, views[0].device)
     nb = idx.numel()
-    n, h, d = k.shape[1:]
-    if tuple(out.shape) != (2, nb * n, h, d) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous (2, {nb * n}, {h}, {d}), got {tuple(out.shape)}")
-    for plane, src in ((0, k), (1, v)):
+    n, h, d = views[0].shape[1:]
+    want = (len(views), nb * n, h, d)
+    if tuple(out.shape) != want or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {want}, got {tuple(out.shape)}")
+    for plane, src in enumerate(views):
         torch.index_select(src, 0, idx, out=out[plane].view(nb, n, h, d))
 
 
-def scatter_layer(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-                  src: torch.Tensor) -> None:
-    """Write ``src`` ``[2, len(block_ids)*N, H, D]`` into blocks ``block_ids`` of one layer."""
-    k, v = views
-    idx = _index(block_ids, k.device)
+def scatter_layer(views: Views, block_ids: Sequence[int] | torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src`` ``[P, len(block_ids)*N, H, D]`` into blocks ``block_ids`` of one layer."""
+    idx = _index(block_ids, views[0].device)
     nb = idx.numel()
-    n, h, d = k.shape[1:]
-    if tuple(src.shape) != (2, nb * n, h, d):
-        raise ValueError(f"src must be (2, {nb * n}, {h}, {d}), got {tuple(src.shape)}")
-    for plane, dst in ((0, k), (1, v)):
+    n, h, d = views[0].shape[1:]
+    want = (len(views), nb * n, h, d)
+    if tuple(src.shape) != want:
+        raise ValueError(f"src must be {want}, got {tuple(src.shape)}")
+    for plane, dst in enumerate(views):
         dst.index_copy_(0, idx, src[plane].reshape(nb, n, h, d))
 
 
@@ -164,34 +166,32 @@ def _np(t: torch.Tensor) -> Any:
     return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
 
 
-def gather_layer_host(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int],
-                      out: torch.Tensor) -> None:
+def gather_layer_host(views: Views, block_ids: Sequence[int], out: torch.Tensor) -> None:
     """``gather_layer`` for CPU tensors as single-threaded block copies (numpy).
 
     Why: kvtier's loader/saver threads run beside the forward pass; a torch op there would
     start an OpenMP team as wide as the engine's and fight it for the cores. A per-block copy
     is also ~2x faster than ``index_select`` through the transposed K view.
     """
-    k, v = views
-    n, h, d = k.shape[1:]
+    n, h, d = views[0].shape[1:]
     nb = len(block_ids)
-    if tuple(out.shape) != (2, nb * n, h, d) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous (2, {nb * n}, {h}, {d}), got {tuple(out.shape)}")
-    for plane, src in ((0, k), (1, v)):
+    want = (len(views), nb * n, h, d)
+    if tuple(out.shape) != want or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {want}, got {tuple(out.shape)}")
+    for plane, src in enumerate(views):
         s, o = _np(src), _np(out[plane]).reshape(nb, n, h, d)
         for j, b in enumerate(block_ids):
             o[j] = s[b]
 
 
-def scatter_layer_host(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int],
-                       src: torch.Tensor) -> None:
+def scatter_layer_host(views: Views, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """``scatter_layer`` for CPU tensors as single-threaded block copies (see above)."""
-    k, v = views
-    n, h, d = k.shape[1:]
+    n, h, d = views[0].shape[1:]
     nb = len(block_ids)
-    if tuple(src.shape) != (2, nb * n, h, d):
-        raise ValueError(f"src must be (2, {nb * n}, {h}, {d}), got {tuple(src.shape)}")
-    for plane, dst in ((0, k), (1, v)):
+    want = (len(views), nb * n, h, d)
+    if tuple(src.shape) != want:
+        raise ValueError(f"src must be {want}, got {tuple(src.shape)}")
+    for plane, dst in enumerate(views):
         dn, sn = _np(dst), _np(src[plane]).reshape(nb, n, h, d)
         for j, b in enumerate(block_ids):
             dn[b] = sn[j]

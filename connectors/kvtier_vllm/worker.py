@@ -16,6 +16,7 @@ Failure
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -37,7 +38,7 @@ from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher, lo
 from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, detect_layout, dtype_name, kv_views, payload_tensor
-from .copier import Copier, RestoreItem, make_copier
+from .copier import Copier, RestoreItem, RestorePlan, make_copier
 from .ipc import LookupServer, socket_path
 from .protocol import (
     KVTierMetadata,
@@ -49,6 +50,7 @@ from .protocol import (
 )
 from .saver import SaveJob, Saver
 from .settings import VllmSettings
+from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
 from .threads import background_pinner, pin_existing
 
@@ -88,6 +90,7 @@ class WorkerSide:
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
         self._saves: list[SaveJob] = []
+        self._save_failed = False
 
     # --- setup ----------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -116,6 +119,8 @@ class WorkerSide:
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
         self.copier: Copier = make_copier(first.device)
+        self.pool = StagingPool(self.settings.save_staging_bytes, self.chunk_shape, first.dtype,
+                                self.copier.host_buffer)
         # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
         # inherit that mask and steal cycles from the forward pass. Run them on the others.
         pin = background_pinner()
@@ -207,25 +212,29 @@ class WorkerSide:
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
             if spec.is_async:
-                self._async[spec.req_id] = self._async_pool.submit(self._async_load, spec)
+                # Taken here, on the forward thread, whose current stream is the compute stream:
+                # the load must follow the zeroing / preempted writes already enqueued on it.
+                after = self.copier.order_async()
+                self._async[spec.req_id] = self._async_pool.submit(self._async_load, spec, after)
         sync = [s for s in meta.loads if not s.is_async]
         if not sync:
             return
         if self._run is not None:  # never expected: wait_for_save ends every step
             self._finish_sync_run()
-        plans: list[list[RestoreItem]] = []
+        plan: list[RestorePlan] = []
         self._run_specs = []
 
         def before() -> None:
+            items: list[RestoreItem] = []
             for spec in sync:
-                items, outcome = self._plan(spec, self._fetch(spec))
-                plans.append(items)
+                spec_items, outcome = self._plan(spec, self._fetch(spec))
+                items.extend(spec_items)
                 self._run_specs.append((spec, outcome))
+            plan.append(self.copier.prepare_restore(items))  # one block index for the step
             self._t_fetched = time.perf_counter()
 
         def step(layer: int) -> None:
-            for items in plans:
-                self.copier.restore_layer(self.views[layer], layer, items)
+            self.copier.restore_layer(self.views[layer], layer, plan[0])
             self._t_restored = time.perf_counter()
 
         self._t_load = self._t_fetched = self._t_restored = time.perf_counter()
@@ -234,11 +243,11 @@ class WorkerSide:
         self._run = self.pipeline.start(len(self.names), step, before)
         self._sync_specs = sync
 
-    def _async_load(self, spec: LoadSpec) -> tuple[LoadOutcome, list[int]]:
+    def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
         t0 = time.perf_counter()
         try:
             items, outcome = self._plan(spec, self._fetch(spec))
-            self.copier.restore_blocking(self.views, items)
+            self.copier.restore_blocking(self.views, items, after)
         except (RuntimeError, ValueError, OSError) as exc:
             log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc)
             outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
@@ -300,28 +309,51 @@ class WorkerSide:
                         req_id, good, outcome.end - outcome.start, reason, len(failed))
 
     # --- saves ------------------------------------------------------------------------------------------
+    # Nothing raises into the engine from a save: a failure drops this step's saves (counted).
     def capture_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
-        if not self.enabled or not meta.saves:
+        if not self.enabled or not meta.saves or self._save_failed:
             return
         layer = self.index.get(layer_name)
         if layer is None:
             return
-        if not self._saves:
-            self._saves = [self._new_job(s) for s in meta.saves]
-        for job in self._saves:
-            self._capture(job, layer)
+        try:
+            if not self._saves:
+                self._saves = [job for s in meta.saves if (job := self._new_job(s)) is not None]
+            self._capture(self._saves, layer)
+        except (RuntimeError, ValueError) as exc:  # e.g. a device out of memory
+            self._save_error(exc)
 
-    def _new_job(self, spec: SaveSpec) -> SaveJob:
+    def _save_error(self, exc: BaseException) -> None:
+        log.error("kvtier: capture failed, this step's saves are dropped: %s", exc)
+        self.stats.add_by("failures_by_reason", "save_error")
+        self._save_failed = True
+
+    def _new_job(self, spec: SaveSpec) -> SaveJob | None:
+        """A job with staging slots for the leading chunks the pool can hold (None: none)."""
         n = spec.end_chunk - spec.start_chunk
-        staging = self.copier.staging((n, *self.chunk_shape), self.torch_dtype)
-        return SaveJob(spec, staging, len(self.names))
-
-    def _capture(self, job: SaveJob, layer: int) -> None:
+        slots = self.pool.take(n)
+        if len(slots) < n:
+            self.saver.count_dropped()  # the chunks past the slots are not saved this time
+            if not slots:
+                return None
+            end = spec.start_chunk + len(slots)
+            spec = dataclasses.replace(spec, end_chunk=end, tokens=spec.tokens[:end * self.chunk * 4])
         per = self.chunk // self.info.block_size
-        for j in range(job.spec.end_chunk - job.spec.start_chunk):
-            ids = job.spec.block_ids[j * per:(j + 1) * per]
-            self.copier.capture_layer(self.views[layer], ids, job.staging[j, layer])
-        job.captured[layer] = True
+        pool = self.pool
+        try:
+            index = self.copier.begin_capture(spec.block_ids[:len(slots) * per], per)
+        except (RuntimeError, ValueError):
+            pool.give(slots)
+            raise
+        return SaveJob(spec, [pool.tensor(i) for i in slots], len(self.names),
+                       lambda: pool.give(slots), index)
+
+    def _capture(self, jobs: Sequence[SaveJob], layer: int) -> None:
+        if jobs:
+            self.copier.capture_layer(self.views[layer], layer,
+                                      [(job.index, [t[layer] for t in job.staging]) for job in jobs])
+        for job in jobs:
+            job.captured[layer] = True
 
     def end_step(self, meta: KVTierMetadata | None) -> None:
         """wait_for_save: finish this step's restore, then hand the captured chunks over."""
@@ -329,17 +361,29 @@ class WorkerSide:
             return
         short = self._finish_sync_run()
         jobs, self._saves = self._saves, []
-        if meta is not None and meta.saves and not jobs:
-            jobs = [self._new_job(s) for s in meta.saves]  # no save_kv_layer calls this step
+        failed, self._save_failed = self._save_failed, False
+        try:
+            if not failed and meta is not None and meta.saves and not jobs:
+                # no save_kv_layer calls this step
+                jobs = [job for s in meta.saves if (job := self._new_job(s)) is not None]
+            if not failed:
+                for layer in range(len(self.names)):
+                    self._capture([j for j in jobs if not j.captured[layer]], layer)
+        except (RuntimeError, ValueError) as exc:
+            self._save_error(exc)
+            failed, self._save_failed = True, False
+        try:
+            fence = self.copier.end_capture()
+        except (RuntimeError, ValueError) as exc:
+            # The device is in trouble; the slots of these jobs may still be written: keep them.
+            log.error("kvtier: ending the capture failed; %d save(s) and their staging are "
+                      "dropped: %s", len(jobs), exc)
+            self.saver.count_dropped(len(jobs))
+            return
         for job in jobs:
-            for layer, ok in enumerate(job.captured):
-                if not ok:
-                    self._capture(job, layer)
-        fence = self.copier.end_capture()
-        for job in jobs:
-            if job.spec.req_id in short:
-                continue  # computed over blocks that failed to load: never store it
             job.fence = fence
+            if failed or job.spec.req_id in short:
+                job.dropped = True  # computed over blocks that failed to load: never store it
             self.saver.submit(job)
 
     def _on_stored(self, stored: StoredChunks) -> None:
