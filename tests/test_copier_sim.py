@@ -1,270 +1,79 @@
-"""The device copier's stream ordering, proved on the simulated asynchronous device.
+"""The device copier's stream ordering, proved on the simulated asynchronous device (CI).
 
-``DeviceCopier`` runs unchanged on ``SimDevice`` (each stream a thread with random delays, events
-complete only when their stream reaches them). The engine's side is played by work enqueued on
-the simulated compute stream, behind a random backlog (a GPU runs behind its host thread): block
-zeroing, a preempted block rewritten, the forward writing and reading a layer's KV, the next
-step overwriting captured blocks. Every assertion is byte-exact, over many seeds; each ordering
-R1-R3, C1-C3 (devcopier.py) has a test that fails when that one wait is removed.
+``DeviceCopier`` runs unchanged on ``SimDevice`` (each stream a thread with random delays; an
+event completes only when its stream reaches it). The scenarios (tests/copier_harness.py) play
+the engine's side on the simulated compute stream behind a random backlog: block zeroing, a
+preempted block rewritten, the forward writing and reading a layer's KV, the next step
+overwriting captured blocks; every assertion is byte-exact, over many seeds. Removing any one
+of the copier's waits (R1-R3, C1-C3 in devcopier.py) makes one of these tests fail; the same
+scenarios run on a real GPU in tests/test_gpu_paths.py.
 """
 
 from __future__ import annotations
 
-import random
-import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
-
-from kvtier_vllm.blocks import Views, detect_layout, gather_layer, kv_views
-from kvtier_vllm.copier import CaptureIndex, RestoreItem
-from kvtier_vllm.devcopier import DeviceCopier
+from copier_harness import (
+    Engine,
+    async_restore_over_pending_writes,
+    blocks,
+    capture_between_writes,
+    restore_over_pending_writes,
+    restore_without_layer_waits,
+)
 from kvtier_vllm.simdevice import SimDevice
 
-from kvtier.prefetch import LayerPipeline
-
-L, B, N, H, D = 3, 24, 4, 2, 8   # layers, blocks, block tokens, kv heads, head dim
-C = 2 * N                         # chunk tokens: two blocks
 SEEDS = range(24)
-DT = torch.float16
 
 
-class Engine:
-    """A simulated GPU engine: paged KV caches in simulated device memory, a compute stream
-    the calling (forward) thread owns, and a copier on the same device."""
+@pytest.fixture
+def sim_engine():  # type: ignore[no-untyped-def]
+    made: list[Engine] = []
 
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.dev = SimDevice(seed=seed, max_delay_s=0.002)
-        self.dev.set_current(self.dev.compute)
-        base = [self.dev.zeros((B, N, H, 2 * D), DT) for _ in range(L)]
-        self.caches = [t.permute(0, 2, 1, 3) for t in base]  # NHD in memory, [B, H, N, 2D]
-        self._base = base
-        layout = detect_layout(self.caches[0], backend="FLASH_ATTN", block_size=N,
-                               num_kv_heads=H, head_dim=D)
-        self.layout = layout
-        self.views: list[Views] = [kv_views(t, layout) for t in self.caches]
-        self.copier = DeviceCopier(self.dev)
+    def make(seed: int) -> Engine:
+        made.append(Engine("sim", seed))
+        return made[-1]
 
-    def compute(self, fn: Callable[[], None], backlog_s: float = 0.006) -> None:
-        """Enqueue ``fn`` on the compute stream behind a random backlog of earlier kernels."""
-        delay = self.rng.random() * backlog_s
-        self.dev.launch(self.dev.compute, lambda: time.sleep(delay))
-        self.dev.launch(self.dev.compute, fn)
-
-    def fill_blocks(self, blocks: list[int], value: float | None, layers: range = range(L)) -> None:
-        """Compute-stream write of ``blocks`` (``None``: random data the test can read back)."""
-        planes = [(layer, torch.randn(len(blocks), H, N, 2 * D, generator=self.gen).to(DT)
-                   if value is None else None) for layer in layers]
-
-        def write() -> None:
-            for layer, data in planes:
-                if data is None:
-                    self.caches[layer][blocks] = value
-                else:
-                    self.caches[layer][blocks] = data
-
-        self.compute(write)
-
-    def snapshot(self, layer: int, blocks: list[int]) -> Callable[[], torch.Tensor]:
-        """A compute-stream read (the forward's attention): what the layer sees at that point."""
-        out: list[torch.Tensor] = []
-        self.compute(lambda: out.append(self.canonical(layer, blocks)))
-        return lambda: out[0]
-
-    def canonical(self, layer: int, blocks: list[int]) -> torch.Tensor:
-        ref = torch.empty(2, len(blocks) * N, H, D, dtype=DT)
-        gather_layer(self.views[layer], blocks, ref)
-        return ref
-
-    def payloads(self, n: int, pinned: bool) -> list[torch.Tensor]:
-        out = []
-        for _ in range(n):
-            p = torch.randn(L, 2, C, H, D, generator=self.gen).to(DT)
-            if pinned:
-                q = self.dev.pinned(p.shape, DT)
-                q.copy_(p)
-                p = q
-            out.append(p)
-        return out
-
-    def close(self) -> None:
-        self.dev.close()
-
-
-def _blocks(rng: random.Random, n: int) -> list[int]:
-    return rng.sample(range(B), n)
-
-
-def _items(payloads: list[torch.Tensor], blocks: list[int]) -> list[RestoreItem]:
-    per = C // N
-    return [RestoreItem(p, 0, C, blocks[i * per:(i + 1) * per]) for i, p in enumerate(payloads)]
-
-
-def _expected(payloads: list[torch.Tensor], layer: int) -> torch.Tensor:
-    return torch.cat([p[layer] for p in payloads], dim=1)
-
-
-def _layerwise_restore(eng: Engine, items: list[RestoreItem], blocks: list[int], *,
-                       wait_layers: bool) -> list[Callable[[], torch.Tensor]]:
-    """The worker's sync-load protocol: begin on the forward thread, restore on a loader thread,
-    per-layer waits (or none), reads of each layer by the forward, then finish."""
-    copier = eng.copier
-    pipe = LayerPipeline(name="sim-loader")
-    plan: list[object] = []
-    copier.begin_restore(L)
-    run = pipe.start(L, lambda layer: copier.restore_layer(eng.views[layer], layer, plan[0]),  # type: ignore[arg-type]
-                     lambda: plan.append(copier.prepare_restore(items)))
-    reads = []
-    for layer in range(L):
-        if wait_layers:
-            assert run.wait(layer, 30)
-            copier.layer_ready(layer)
-            reads.append(eng.snapshot(layer, blocks))
-    run.join()
-    copier.finish_restore()
-    pipe.close()
-    return reads
+    yield make
+    for e in made:
+        e.close()
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_layer_reads_see_the_restore_and_pending_zeroing_never_clobbers_it(seed: int, pinned: bool) -> None:
-    # R1 (zeroing / a preempted block's old writes pending on the compute stream) and R2.
-    eng = Engine(seed)
-    try:
-        blocks = _blocks(eng.rng, 6)
-        payloads = eng.payloads(3, pinned)
-        eng.fill_blocks(blocks, None)   # a preempted request's writes to blocks now handed over
-        eng.fill_blocks(blocks, 0.0)    # the scheduler's zeroing of the new blocks
-        reads = _layerwise_restore(eng, _items(payloads, blocks), blocks, wait_layers=True)
-        after = [eng.snapshot(layer, blocks) for layer in range(L)]
-        eng.dev.synchronize()
-        for layer in range(L):
-            want = _expected(payloads, layer)
-            assert torch.equal(reads[layer](), want), f"layer {layer} read before its restore landed"
-            assert torch.equal(after[layer](), want), f"layer {layer} restore was clobbered"
-        if not pinned:
-            assert eng.dev.pageable_copies == 2 * L * len(payloads)
-        else:
-            assert eng.dev.pageable_copies == 0
-    finally:
-        eng.close()
+def test_layer_reads_see_the_restore_and_pending_zeroing_never_clobbers_it(sim_engine, seed: int, pinned: bool) -> None:  # type: ignore[no-untyped-def]
+    eng = sim_engine(seed)
+    restore_over_pending_writes(eng, pinned)
+    assert eng.sim is not None
+    # Pageable payloads take CUDA's synchronous path (and block the loader thread); pinned
+    # ones never do.
+    assert eng.sim.pageable_copies == (0 if pinned else 2 * 3 * 3)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_finish_restore_orders_the_next_step_after_layers_nobody_waited_for(seed: int) -> None:
-    # R2's second half: a step whose forward never called wait_for_layer_load.
-    eng = Engine(seed)
-    try:
-        blocks = _blocks(eng.rng, 4)
-        payloads = eng.payloads(2, pinned=True)
-        _layerwise_restore(eng, _items(payloads, blocks), blocks, wait_layers=False)
-        reads = [eng.snapshot(layer, blocks) for layer in range(L)]
-        eng.dev.synchronize()
-        for layer in range(L):
-            assert torch.equal(reads[layer](), _expected(payloads, layer))
-    finally:
-        eng.close()
+def test_finish_restore_orders_the_next_step_after_layers_nobody_waited_for(sim_engine, seed: int) -> None:  # type: ignore[no-untyped-def]
+    restore_without_layer_waits(sim_engine(seed))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_async_restore_waits_for_compute_work_enqueued_before_it_started(seed: int) -> None:
-    # R3: the event is taken on the forward thread; the async thread's own current stream
-    # would order nothing.
-    eng = Engine(seed)
-    try:
-        blocks = _blocks(eng.rng, 4)
-        payloads = eng.payloads(2, pinned=True)
-        eng.fill_blocks(blocks, None)
-        eng.fill_blocks(blocks, 0.0)
-        after = eng.copier.order_async()
-        errors: list[BaseException] = []
-
-        def load() -> None:
-            try:
-                eng.copier.restore_blocking(eng.views, _items(payloads, blocks), after)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below on the test thread
-                errors.append(exc)
-
-        t = threading.Thread(target=load, name="sim-async-load")
-        t.start()
-        t.join(30)
-        assert not errors, errors
-        # vLLM hears "finished" only now; the next step's reads come after.
-        reads = [eng.snapshot(layer, blocks) for layer in range(L)]
-        eng.dev.synchronize()
-        for layer in range(L):
-            assert torch.equal(reads[layer](), _expected(payloads, layer))
-    finally:
-        eng.close()
-
-
-def _capture_step(eng: Engine, jobs: list[list[int]], overwrite_after: bool) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """One step with saves: the forward writes each layer's KV then save_kv_layer captures it;
-    wait_for_save ends the capture; the next step overwrites the same blocks. Returns the
-    staged chunks as the saver thread sees them after the fence, and what was written."""
-    copier = eng.copier
-    per = C // N
-    staging = [[eng.dev.pinned((L, 2, C, H, D), DT) for _ in range(len(ids) // per)] for ids in jobs]
-    indices: list[CaptureIndex] = [copier.begin_capture(ids, per) for ids in jobs]
-    for layer in range(L):
-        for ids in jobs:
-            eng.fill_blocks(ids, None, range(layer, layer + 1))  # the forward writes this layer
-        copier.capture_layer(eng.views[layer], layer,
-                             [(ix, [t[layer] for t in st]) for ix, st in zip(indices, staging)])
-    fence = copier.end_capture()
-    # What the forward wrote, read in compute-stream order right after the capture.
-    truth = [[eng.snapshot(layer, ids) for layer in range(L)] for ids in jobs]
-    if overwrite_after:
-        for ids in jobs:
-            eng.fill_blocks(ids, -1.0, range(L))  # the next step reuses the blocks
-    seen: list[list[torch.Tensor]] = []
-
-    def saver() -> None:
-        fence.wait()
-        seen.extend([[t.clone() for t in st] for st in staging])
-
-    t = threading.Thread(target=saver, name="sim-saver")
-    t.start()
-    t.join(30)
-    eng.dev.synchronize()
-    want = [[truth[j][layer]() for layer in range(L)] for j in range(len(jobs))]
-    return seen, want
-
-
-def _check_capture(seen: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
-    per = C // N
-    for j, chunks in enumerate(seen):
-        for c, chunk in enumerate(chunks):
-            for layer in range(L):
-                exp = want[j][layer][:, c * per * N:(c + 1) * per * N]
-                assert torch.equal(chunk[layer], exp), f"job {j} chunk {c} layer {layer} differs"
+def test_async_restore_waits_for_compute_work_enqueued_before_it_started(sim_engine, seed: int) -> None:  # type: ignore[no-untyped-def]
+    async_restore_over_pending_writes(sim_engine(seed))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_capture_sees_the_layer_written_before_it_and_not_the_writes_after(seed: int) -> None:
-    # C1 (the gather follows the forward's write of the layer), C2 (the next step's writes
-    # follow the gathers), C3 (the saver's fence covers the device-to-host copies).
-    eng = Engine(seed)
-    try:
-        ids = _blocks(eng.rng, 8)
-        seen, want = _capture_step(eng, [ids[:4], ids[4:]], overwrite_after=True)
-        _check_capture(seen, want)
-    finally:
-        eng.close()
+def test_capture_sees_the_layer_written_before_it_and_not_the_writes_after(sim_engine, seed: int) -> None:  # type: ignore[no-untyped-def]
+    eng = sim_engine(seed)
+    ids = blocks(eng, 8)
+    capture_between_writes(eng, [ids[:4], ids[4:]])
+    assert eng.sim is not None and eng.sim.pageable_copies == 0
 
 
 def test_the_simulated_device_catches_a_missing_wait() -> None:
-    """Control: the same step with no event between the compute stream and a side stream
-    goes wrong for some seed, so the tests above can fail."""
+    """Control: a side stream that should have waited for the compute stream, without the
+    wait, goes wrong for some seed; so the scenarios above can fail."""
     bad = 0
     for seed in SEEDS:
         dev = SimDevice(seed=seed)
@@ -272,14 +81,52 @@ def test_the_simulated_device_catches_a_missing_wait() -> None:
             dev.set_current(dev.compute)
             side = dev.new_stream()
             t = dev.zeros((4,), torch.float32)
-            dev.launch(dev.compute, lambda: time.sleep(0.003 * (seed % 3)))
-            dev.launch(dev.compute, lambda: t.fill_(1.0))
-            dev.launch(side, lambda: t.add_(1.0))   # should have waited for the fill
+            pause = 0.003 * (seed % 3)
+            dev.launch(dev.compute, lambda: time.sleep(pause))  # noqa: B023 - runs before the loop moves on
+            dev.launch(dev.compute, lambda: t.fill_(1.0))  # noqa: B023
+            dev.launch(side, lambda: t.add_(1.0))  # noqa: B023 - needed a wait_event on the fill
             dev.synchronize()
             bad += int(not torch.equal(t, torch.full((4,), 2.0)))
         finally:
             dev.close()
     assert bad > 0
+
+
+def test_events_and_waits_order_exactly_what_they_name() -> None:
+    dev = SimDevice(seed=3)
+    try:
+        a, b = dev.new_stream(), dev.new_stream()
+        t = dev.zeros((1,), torch.float32)
+        gate = threading.Event()
+        e = dev.new_event()
+        assert e.query()                            # never recorded: complete
+        dev.wait_event(b, e)                        # orders nothing
+        dev.launch(a, lambda: gate.wait(5))
+        dev.launch(a, lambda: t.fill_(1.0))
+        dev.record(e, a)
+        assert not e.query()                        # a has not reached the marker
+        dev.wait_event(b, e)
+        dev.launch(b, lambda: t.mul_(3.0))
+        gate.set()
+        e.synchronize()
+        dev.synchronize()
+        assert float(t[0]) == 3.0
+    finally:
+        dev.close()
+
+
+def test_stream_failures_reach_the_host() -> None:
+    dev = SimDevice(seed=0)
+    s = dev.new_stream()
+
+    def boom() -> None:
+        raise ValueError("kernel failed")
+
+    dev.launch(s, boom)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        dev.synchronize()
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        dev.close()
 
 
 def test_pageable_copies_block_and_pinned_copies_do_not() -> None:

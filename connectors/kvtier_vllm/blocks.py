@@ -12,6 +12,9 @@ sit inside a block depends on the attention backend and the vLLM version:
               ``[B, H, N, 2*D]`` with any physical stride order (NHD or HND); the last dim is
               ``K(D) | V(D)`` of one token and head.
 ``kv_first``  vLLM <= 0.1x FlashAttention: ``[2, B, N, H, D]`` (K plane, then V plane).
+``mla``       MLA latent caches (DeepSeek-style): ``[B, N, D]`` (vLLM 0.32 GPU MLA backends) or
+              ``[B, 1, N, D]``, D = kv_lora_rank + rope dim (576): one plane, not K and V.
+              Chunks carry ``kv=1`` and one head, so the payload says what it is.
 ``opaque``    anything else whose blocks are contiguous (other CPU ISAs, quantised layouts):
               the block's bytes are copied as they are. Exact within one engine build, but the
               bytes are not the canonical layout, so the connector adds the layout tag to the
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("cpu_vec", "split_c", "kv_first", "opaque")
+KINDS = ("cpu_vec", "split_c", "kv_first", "mla", "opaque")
 # CPU ISAs whose cache layout was verified against the kernel; AMX/NEON/... stay opaque.
 CPU_VEC_ISAS = ("vec", "vec16")
 
@@ -72,19 +75,30 @@ class PagedLayout:
         return self.kind != "opaque"
 
     @property
+    def planes(self) -> int:
+        """Planes per token: 2 (K and V) or 1 (an MLA latent)."""
+        return 1 if self.kind == "mla" else 2
+
+    @property
     def block_elems(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.planes * self.block_size * self.num_kv_heads * self.head_dim
 
 
 def detect_layout(t: torch.Tensor, *, backend: str, block_size: int, num_kv_heads: int,
-                  head_dim: int, isa: str | None = None) -> PagedLayout:
-    """Classify ``t`` (one layer's KV cache as handed to ``register_kv_caches``).
+                  head_dim: int, isa: str | None = None, mla: bool = False) -> PagedLayout:
+    """Classify ``t`` (one layer's KV cache as handed to ``register_kv_caches``); ``mla``: the
+    model uses MLA (vLLM's ``model_config.use_mla``), so ``head_dim`` is the latent width.
 
     Raises ValueError when the tensor cannot be handled at all (then the connector disables
     itself rather than risk wrong bytes).
     """
     shape = tuple(t.shape)
     name = backend.upper()
+    if mla:
+        if (len(shape) == 3 and shape[1:] == (block_size, head_dim)
+                or len(shape) == 4 and shape[1:] == (1, block_size, head_dim)) and t.stride(-1) == 1:
+            return PagedLayout("mla", shape[0], block_size, 1, head_dim)
+        raise ValueError(f"unsupported MLA KV cache tensor: shape {shape}, strides {t.stride()}")
     four_d = len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim)
     if len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
         return PagedLayout("kv_first", shape[1], block_size, num_kv_heads, head_dim)
@@ -105,8 +119,9 @@ def _block_contiguous(t: torch.Tensor) -> bool:
     return t.dim() >= 2 and t[0].is_contiguous()
 
 
-def kv_views(t: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V), each a strided ``[num_blocks, N, H, D]`` view sharing ``t``'s storage.
+def kv_views(t: torch.Tensor, layout: PagedLayout) -> Views:
+    """(K, V), each a strided ``[num_blocks, N, H, D]`` view sharing ``t``'s storage; for MLA
+    the one latent plane ``[num_blocks, N, 1, D]``.
 
     For ``opaque`` layouts the two views are the two halves of each block's raw elements,
     shaped ``[num_blocks, N, H, D]`` only by reinterpretation.
@@ -120,6 +135,8 @@ def kv_views(t: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.
         return t[..., :d].permute(0, 2, 1, 3), t[..., d:].permute(0, 2, 1, 3)
     if layout.kind == "kv_first":
         return t[0], t[1]
+    if layout.kind == "mla":
+        return (t.view(b, n, 1, d),) if t.dim() == 3 else (t.permute(0, 2, 1, 3),)
     raw = t.view(b, 2, n, h, d)
     return raw[:, 0], raw[:, 1]
 

@@ -122,7 +122,8 @@ class KVTierConnector(KVConnectorBase_V1):
             rank=pp.rank_in_group * tp + tp_rank, world_size=pp.world_size * tp,
             dp_rank=int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0),
             engine_id=str(self._kv_transfer_config.engine_id), backend=backend,
-            isa=getattr(layer, "isa", None), kv_events=self._kv_events)
+            isa=getattr(layer, "isa", None), kv_events=self._kv_events,
+            mla=bool(getattr(vc.model_config, "use_mla", False)))
 
     def _meta(self) -> KVTierMetadata | None:
         meta = self._connector_metadata

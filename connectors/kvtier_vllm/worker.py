@@ -73,6 +73,7 @@ class EngineInfo:
     backend: str
     isa: str | None
     kv_events: bool
+    mla: bool = False  # MLA latent cache: one plane, the same bytes on every TP rank
 
 
 class WorkerSide:
@@ -98,9 +99,10 @@ class WorkerSide:
         first = kv_caches[names[0]]
         info = self.info
         shape = tuple(first.shape)
-        heads, head_dim = _heads_dim(shape, info.block_size)
+        heads, head_dim = _heads_dim(shape, info.block_size, info.mla)
         self.layout: PagedLayout = detect_layout(first, backend=info.backend, block_size=info.block_size,
-                                                 num_kv_heads=heads, head_dim=head_dim, isa=info.isa)
+                                                 num_kv_heads=heads, head_dim=head_dim, isa=info.isa,
+                                                 mla=info.mla)
         self.names = names
         self.index = {n: i for i, n in enumerate(names)}
         self.views = [kv_views(kv_caches[n], self.layout) for n in names]
@@ -110,10 +112,14 @@ class WorkerSide:
             revision += f"+kvlayout={info.backend}:{info.isa}:{tuple(first.stride())}"
         if info.cache_dtype not in ("auto", ""):
             revision += f"+kvcache={info.cache_dtype}"
+        # Every TP rank of an MLA model holds the same latent: one namespace for all ranks, so a
+        # shared tier (disk path, redis, kvtier-server) keeps one copy, not one per rank.
+        rank, world = (0, 1) if info.mla else (info.rank, info.world_size)
         self.base_spec = NamespaceSpec(
-            model_id=info.model_id, layout=KVLayout(len(names), heads, head_dim, self.chunk),
-            kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=info.rank,
-            world_size=info.world_size, hash_name=self.cfg.hash)  # type: ignore[arg-type]
+            model_id=info.model_id,
+            layout=KVLayout(len(names), heads, head_dim, self.chunk, kv=self.layout.planes),
+            kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
+            world_size=world, hash_name=self.cfg.hash)  # type: ignore[arg-type]
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
         self.metrics = Metrics()
         self.cmetrics = ConnectorMetrics(self.metrics)
@@ -433,8 +439,11 @@ class WorkerSide:
         self.store.close()
 
 
-def _heads_dim(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
-    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]."""
+def _heads_dim(shape: tuple[int, ...], block_size: int, mla: bool = False) -> tuple[int, int]:
+    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]; for MLA
+    one "head" of the latent's full width ([B, N, D] or [B, 1, N, D])."""
+    if mla:
+        return 1, shape[-1]
     if len(shape) == 5 and shape[0] == 2:
         return shape[3], shape[4]
     if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
