@@ -77,21 +77,22 @@ class Engine:
             self.dev.launch(stream, lambda: torch.cuda._sleep(int(GPU_BACKLOG_CYCLES * x)))
 
     def fill_blocks(self, blocks: list[int], value: float | None, layers: range = range(L),
-                    backlog: float = 1.0) -> None:
-        """Compute-stream write of ``blocks``: ``value``, or random data (a forward writing KV)."""
-        data = [torch.randn(len(blocks), H, N, 2 * D, generator=self.gen).to(DT) for _ in layers]
-        if self.sim is None:
-            data = [d.cuda() for d in data]
+                    backlog: float = 1.0) -> list[torch.Tensor]:
+        """Compute-stream write of ``blocks``: ``value``, or random data (a forward writing KV).
+        Returns what each layer's blocks hold afterwards, canonical ``[2, n*N, H, D]``."""
+        host = [torch.randn(len(blocks), H, N, 2 * D, generator=self.gen).to(DT) for _ in layers]
+        if value is not None:
+            host = [torch.full_like(d, value) for d in host]
+        data = host if self.sim is not None else [d.cuda() for d in host]
         idx = self._idx(blocks)
 
         def write() -> None:
             for layer, d in zip(layers, data):
-                if value is None:
-                    self.caches[layer][idx] = d
-                else:
-                    self.caches[layer][idx] = value
+                self.caches[layer][idx] = d
 
         self.compute(write, backlog)
+        return [torch.stack([d[..., :D].permute(0, 2, 1, 3), d[..., D:].permute(0, 2, 1, 3)])
+                .reshape(2, len(blocks) * N, H, D) for d in host]
 
     def _idx(self, blocks: list[int]) -> torch.Tensor:
         t = torch.tensor(blocks, dtype=torch.long)
@@ -231,14 +232,14 @@ def capture_between_writes(eng: Engine, jobs: list[list[int]]) -> None:
     per = C // N
     staging = [[eng.dev.pinned((L, 2, C, H, D), DT) for _ in range(len(ids) // per)] for ids in jobs]
     indices: list[CaptureIndex] = [copier.begin_capture(ids, per) for ids in jobs]
+    truth: list[list[torch.Tensor]] = [[] for _ in jobs]
     for layer in range(L):
-        for ids in jobs:
-            eng.fill_blocks(ids, None, range(layer, layer + 1))
+        for j, ids in enumerate(jobs):
+            truth[j] += eng.fill_blocks(ids, None, range(layer, layer + 1))
         eng.slow(copier.gather_stream)
         copier.capture_layer(eng.views[layer], layer,
                              [(ix, [t[layer] for t in st]) for ix, st in zip(indices, staging)])
     fence = copier.end_capture()
-    truth = [[eng.snapshot(layer, ids) for layer in range(L)] for ids in jobs]
     for ids in jobs:
         eng.fill_blocks(ids, -1.0, range(L), backlog=0.0)  # the next step reuses the blocks
     seen: list[list[torch.Tensor]] = []
@@ -254,6 +255,6 @@ def capture_between_writes(eng: Engine, jobs: list[list[int]]) -> None:
     for j, chunks in enumerate(seen):
         for c, chunk in enumerate(chunks):
             for layer in range(L):
-                want = truth[j][layer]()[:, c * per * N:(c + 1) * per * N]
+                want = truth[j][layer][:, c * per * N:(c + 1) * per * N]
                 assert torch.equal(chunk[layer], want), f"job {j} chunk {c} layer {layer} differs"
     assert len(seen) == len(jobs)
