@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,8 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sim-only", action="store_true", help="only the simulated-device part (no GPU)")
     ap.add_argument("--quick", action="store_true", help="fewer chunks and seeds, shorter engine runs")
-    ap.add_argument("--seeds", type=int, default=0, help="race-scenario seeds (default 8; --quick 3)")
-    ap.add_argument("--chunks", type=int, default=0,
+    ap.add_argument("--seeds", type=int, default=None, help="race-scenario seeds (default 8; --quick 3)")
+    ap.add_argument("--chunks", type=int, default=None,
                     help="chunks per copier round trip (default 32 = 1 GiB; --quick 8)")
     ap.add_argument("--skip-vllm", action="store_true", help="leave out the vLLM engine part")
     ap.add_argument("--model", default="", help="vLLM part: a checkpoint dir (default: a random "
@@ -58,8 +57,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", default="", help="vLLM part: model and logs (default: a temp dir)")
     ap.add_argument("--out", default="", help="also write the JSON object to this file")
     args = ap.parse_args(argv)
-    args.seeds = args.seeds or (3 if args.quick else 8)
-    args.chunks = args.chunks or (8 if args.quick else 32)
+    if args.seeds is None:
+        args.seeds = 3 if args.quick else 8
+    if args.chunks is None:
+        args.chunks = 8 if args.quick else 32
     if not 1 <= args.seeds <= 1000:
         ap.error(f"--seeds must be in [1, 1000], got {args.seeds}")
     if not 1 <= args.chunks <= 256:
@@ -122,7 +123,7 @@ def link() -> dict[str, Any]:
         secs = _timed(fn)
         res[f"{name}_gbps"] = round(GIB / statistics.median(secs) / 1e9, 2)
         res[f"{name}_gbps_min_med_max"] = [round(GIB / s / 1e9, 2) for s in (max(secs), statistics.median(secs), min(secs))]
-    del pinned
+    torch.cuda.synchronize()
     region.close()
     return res
 

