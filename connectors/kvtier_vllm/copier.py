@@ -141,13 +141,3 @@ class CpuCopier:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def make_copier(device: torch.device) -> Copier:
-    """The copier for the engine's KV device: CUDA side streams, else plain block copies."""
-    if device.type == "cuda":
-        from .devcopier import DeviceCopier
-        from .device import CudaDevice
-
-        return DeviceCopier(CudaDevice(device))
-    return CpuCopier()

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from .blocks import Views
-from .copier import DONE, CaptureIndex, Fence, RestoreItem, RestorePlan
-from .device import Device, Event
+from .copier import DONE, CaptureIndex, Copier, CpuCopier, Fence, RestoreItem, RestorePlan
+from .device import CudaDevice, Device, Event
 
 
 class _EventFence:
@@ -182,3 +182,10 @@ class DeviceCopier:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return self.dev.host_buffer(nbytes)
+
+
+def make_copier(device: torch.device) -> Copier:
+    """The copier for the engine's KV device: CUDA side streams, else plain block copies."""
+    if device.type == "cuda":
+        return DeviceCopier(CudaDevice(device))
+    return CpuCopier()

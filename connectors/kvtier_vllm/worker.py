@@ -38,7 +38,8 @@ from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher, lo
 from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, detect_layout, dtype_name, kv_views, payload_tensor
-from .copier import Copier, RestoreItem, RestorePlan, make_copier
+from .copier import Copier, RestoreItem, RestorePlan
+from .devcopier import make_copier
 from .ipc import LookupServer, socket_path
 from .protocol import (
     KVTierMetadata,
