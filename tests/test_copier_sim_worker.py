@@ -33,9 +33,7 @@ def _on_sim(worker: Any, caches: dict[str, torch.Tensor], seed: int) -> SimDevic
     sim.set_current(sim.compute)
     for t in caches.values():
         sim.device_tensor(t)
-    worker.copier = DeviceCopier(sim)
-    worker.pool = StagingPool(worker.settings.save_staging_bytes, worker.chunk_shape,
-                              worker.torch_dtype, worker.copier.host_buffer)
+    worker.use_copier(DeviceCopier(sim))
     return sim
 
 
@@ -102,8 +100,7 @@ def test_a_full_staging_pool_saves_the_leading_chunks_and_counts_the_rest(tmp_pa
     from test_vllm_connector_flow import _fill, _halves, _output, _req, _run_step, _wait_saved
 
     sched, worker, caches = _halves(tmp_path)
-    worker.pool = StagingPool(worker.pool.chunk_bytes, worker.chunk_shape, worker.torch_dtype,
-                              worker.copier.host_buffer)  # room for one chunk
+    worker.use_copier(worker.copier, staging_bytes=worker.pool.chunk_bytes)  # room for one chunk
     try:
         N, C = worker.info.block_size, worker.chunk
         tokens = list(range(7, 7 + 4 * N))
@@ -138,7 +135,7 @@ def test_a_failing_capture_never_reaches_the_engine(tmp_path: Path) -> None:
     from test_vllm_connector_flow import _fill, _halves, _output, _req, _run_step
 
     sched, worker, caches = _halves(tmp_path)
-    worker.copier = _FailingCapture()
+    worker.use_copier(_FailingCapture())
     try:
         tokens = list(range(7, 7 + 4 * worker.info.block_size))
         r1 = _req("r1", tokens)

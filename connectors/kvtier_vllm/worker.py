@@ -16,7 +16,6 @@ Failure
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import re
@@ -38,6 +37,7 @@ from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher, lo
 from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, detect_layout, dtype_name, kv_views, payload_tensor
+from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
 from .ipc import LookupServer, socket_path
@@ -46,10 +46,9 @@ from .protocol import (
     KVTierWorkerMeta,
     LoadOutcome,
     LoadSpec,
-    SaveSpec,
     StoredChunks,
 )
-from .saver import SaveJob, Saver
+from .saver import Saver
 from .settings import VllmSettings
 from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
@@ -91,8 +90,6 @@ class WorkerSide:
         self._run: LayerRun | None = None
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
-        self._saves: list[SaveJob] = []
-        self._save_failed = False
 
     # --- setup ----------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -126,8 +123,6 @@ class WorkerSide:
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
         self.copier: Copier = make_copier(first.device)
-        self.pool = StagingPool(self.settings.save_staging_bytes, self.chunk_shape, first.dtype,
-                                self.copier.host_buffer)
         # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
         # inherit that mask and steal cycles from the forward pass. Run them on the others.
         pin = background_pinner()
@@ -139,6 +134,7 @@ class WorkerSide:
         self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
                            self.stats, self.cmetrics,
                            self._on_stored if info.kv_events and info.rank == 0 else None)
+        self.use_copier(self.copier)
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.server = LookupServer(path, self._handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
@@ -148,6 +144,15 @@ class WorkerSide:
         self.enabled = True
         log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
                  len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
+
+    def use_copier(self, copier: Copier, staging_bytes: int | None = None) -> None:
+        """Restore and capture through ``copier``, with a fresh staging pool (tests put the
+        worker on the simulated device this way; call before the first step)."""
+        self.copier = copier
+        nbytes = self.settings.save_staging_bytes if staging_bytes is None else staging_bytes
+        self.pool = StagingPool(nbytes, self.chunk_shape, self.torch_dtype, copier.host_buffer)
+        self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
+                                   self.info.block_size, self.stats)
 
     def cache_for(self, salt: bytes) -> PrefixCache:
         with self._lock:
@@ -315,83 +320,18 @@ class WorkerSide:
             log.warning("kvtier: %s restored %d of %d tokens (%s); vLLM recomputes %d blocks",
                         req_id, good, outcome.end - outcome.start, reason, len(failed))
 
-    # --- saves ------------------------------------------------------------------------------------------
-    # Nothing raises into the engine from a save: a failure drops this step's saves (counted).
+    # --- saves (capture.py; nothing raises into the engine from a save) ------------------------------
     def capture_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
-        if not self.enabled or not meta.saves or self._save_failed:
-            return
-        layer = self.index.get(layer_name)
-        if layer is None:
-            return
-        try:
-            if not self._saves:
-                self._saves = [job for s in meta.saves if (job := self._new_job(s)) is not None]
-            self._capture(self._saves, layer)
-        except (RuntimeError, ValueError) as exc:  # e.g. a device out of memory
-            self._save_error(exc)
-
-    def _save_error(self, exc: BaseException) -> None:
-        log.error("kvtier: capture failed, this step's saves are dropped: %s", exc)
-        self.stats.add_by("failures_by_reason", "save_error")
-        self._save_failed = True
-
-    def _new_job(self, spec: SaveSpec) -> SaveJob | None:
-        """A job with staging slots for the leading chunks the pool can hold (None: none)."""
-        n = spec.end_chunk - spec.start_chunk
-        slots = self.pool.take(n)
-        if len(slots) < n:
-            self.saver.count_dropped()  # the chunks past the slots are not saved this time
-            if not slots:
-                return None
-            end = spec.start_chunk + len(slots)
-            spec = dataclasses.replace(spec, end_chunk=end, tokens=spec.tokens[:end * self.chunk * 4])
-        per = self.chunk // self.info.block_size
-        pool = self.pool
-        try:
-            index = self.copier.begin_capture(spec.block_ids[:len(slots) * per], per)
-        except (RuntimeError, ValueError):
-            pool.give(slots)
-            raise
-        return SaveJob(spec, [pool.tensor(i) for i in slots], len(self.names),
-                       lambda: pool.give(slots), index)
-
-    def _capture(self, jobs: Sequence[SaveJob], layer: int) -> None:
-        if jobs:
-            self.copier.capture_layer(self.views[layer], layer,
-                                      [(job.index, [t[layer] for t in job.staging]) for job in jobs])
-        for job in jobs:
-            job.captured[layer] = True
+        layer = self.index.get(layer_name) if self.enabled else None
+        if layer is not None:
+            self.capture.layer(meta.saves, layer)
 
     def end_step(self, meta: KVTierMetadata | None) -> None:
         """wait_for_save: finish this step's restore, then hand the captured chunks over."""
         if not self.enabled:
             return
         short = self._finish_sync_run()
-        jobs, self._saves = self._saves, []
-        failed, self._save_failed = self._save_failed, False
-        try:
-            if not failed and meta is not None and meta.saves and not jobs:
-                # no save_kv_layer calls this step
-                jobs = [job for s in meta.saves if (job := self._new_job(s)) is not None]
-            if not failed:
-                for layer in range(len(self.names)):
-                    self._capture([j for j in jobs if not j.captured[layer]], layer)
-        except (RuntimeError, ValueError) as exc:
-            self._save_error(exc)
-            failed, self._save_failed = True, False
-        try:
-            fence = self.copier.end_capture()
-        except (RuntimeError, ValueError) as exc:
-            # The device is in trouble; the slots of these jobs may still be written: keep them.
-            log.error("kvtier: ending the capture failed; %d save(s) and their staging are "
-                      "dropped: %s", len(jobs), exc)
-            self.saver.count_dropped(len(jobs))
-            return
-        for job in jobs:
-            job.fence = fence
-            if failed or job.spec.req_id in short:
-                job.dropped = True  # computed over blocks that failed to load: never store it
-            self.saver.submit(job)
+        self.capture.end(meta.saves if meta is not None else [], short)
 
     def _on_stored(self, stored: StoredChunks) -> None:
         # Saver thread: keep the chunks for the next step's worker metadata (KV events).
