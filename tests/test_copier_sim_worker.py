@@ -59,21 +59,27 @@ def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Pat
     sched, worker, caches = _halves(tmp_path, async_load=async_load)
     sim = _on_sim(worker, caches, seed)
     try:
+        from test_vllm_connector_flow import _fill
+
+        fill = _fill(blocks1 := [10, 3, 40, 22, 5, 6], 100 + seed)
         N, C = worker.info.block_size, worker.chunk
         tokens = list(range(7, 7 + 5 * N + 3))
         r1 = _req("r1", tokens)
         sched.get_num_new_matched_tokens(r1, 0)
         sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
-        blocks1 = [10, 3, 40, 22, 5, 6]
         _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}), caches,
                   write=_compute_fill(sim, blocks1, 100 + seed))
+        # r1 finishes; the next step's forward reuses its blocks at once.
+        for t in caches.values():
+            sim.launch(sim.compute, lambda t=t: t[blocks1].fill_(-1.0))
         _wait_saved(worker, 2)
         r2 = _req("r2", tokens[: 4 * N] + [1, 2, 3])
         hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
         assert hit == 2 * C and is_async == (async_load == "always")
         blocks2 = [50, 51, 12, 13, 14]
-        # The blocks handed to r2 still have a zeroing queued on the compute stream.
-        sim.launch(sim.compute, lambda: time.sleep(0.004))
+        # The blocks handed to r2 still have a zeroing queued on the compute stream, far behind
+        # (the restore must wait for it, not be clobbered by it).
+        sim.launch(sim.compute, lambda: time.sleep(0.1))
         for t in caches.values():
             sim.launch(sim.compute, lambda t=t: t[blocks2].zero_())
         sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
@@ -88,7 +94,9 @@ def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Pat
             assert "r2" in done and not worker.take_errors()
         sim.synchronize()
         for name, t in caches.items():
-            assert torch.equal(t[blocks2[:4]], t[blocks1[:4]]), name
+            want = torch.zeros_like(t)
+            fill(name, want)   # what r1's forward wrote
+            assert torch.equal(t[blocks2[:4]], want[blocks1[:4]]), name
     finally:
         worker.shutdown()
         sched.shutdown()
