@@ -71,7 +71,7 @@ def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Pat
                   write=_compute_fill(sim, blocks1, 100 + seed))
         # r1 finishes; the next step's forward reuses its blocks at once.
         for t in caches.values():
-            sim.launch(sim.compute, lambda t=t: t[blocks1].fill_(-1.0))
+            sim.launch(sim.compute, lambda t=t: t.index_fill_(0, torch.tensor(blocks1), -1.0))
         _wait_saved(worker, 2)
         r2 = _req("r2", tokens[: 4 * N] + [1, 2, 3])
         hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
@@ -81,7 +81,7 @@ def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Pat
         # (the restore must wait for it, not be clobbered by it).
         sim.launch(sim.compute, lambda: time.sleep(0.1))
         for t in caches.values():
-            sim.launch(sim.compute, lambda t=t: t[blocks2].zero_())
+            sim.launch(sim.compute, lambda t=t: t.index_fill_(0, torch.tensor(blocks2), 0.0))
         sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
         meta, errors, out = _run_step(sched, worker, _output([], {}), caches)
         assert len(meta.loads) == 1 and not errors
