@@ -1,14 +1,16 @@
-"""The CUDA path of the vLLM connector's copier: side streams, per-layer events, pinned captures.
+"""The CUDA path of the vLLM connector's copier, on a real GPU (``make test-gpu``; skipped here).
 
-Runs wherever a CUDA device is present (``-m gpu``), skipped elsewhere. The paged tensors use
-vLLM 0.32's FlashAttention layout (logical ``[B, H, N, 2D]``, NHD in memory); results are
-compared byte for byte with what the CPU path produces from the same inputs.
+The scenarios are the ones tests/test_copier_sim.py runs on the simulated device
+(tests/copier_harness.py), now on torch.cuda streams with the compute stream kept busy by
+``torch.cuda._sleep``: a missing wait makes a read, a restore or a capture wrong, byte for byte
+(caches are filled with random data, never compared after a synchronize that would hide a race).
+Plus what only a GPU can show: no host synchronisation on the forward thread, pinned memory.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,91 +18,101 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
 
-from kvtier_vllm.blocks import detect_layout, gather_layer, kv_views
-from kvtier_vllm.copier import CpuCopier, CudaCopier, RestoreItem
+from copier_harness import (
+    Engine,
+    async_restore_over_pending_writes,
+    blocks,
+    capture_between_writes,
+    restore_over_pending_writes,
+    restore_without_layer_waits,
+)
+from kvtier_vllm.copier import CaptureIndex
+from kvtier_vllm.device import CudaDevice
+from kvtier_vllm.staging import StagingPool
 
-from kvtier.prefetch import LayerPipeline
+from kvtier.config import CpuTierConfig
+from kvtier.pinned import HostRegion
+from kvtier.tiers.cpu import CpuTier
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
-
-L, B, H, N, D, C = 4, 32, 8, 16, 64, 64  # C: chunk tokens (4 blocks)
-
-
-def _caches(device: str) -> list[torch.Tensor]:
-    return [torch.zeros(B, N, H, 2 * D, dtype=torch.float16, device=device).permute(0, 2, 1, 3)
-            for _ in range(L)]
+SEEDS = range(6)
 
 
-def _payloads(n: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(L, 2, C, H, D, generator=g).to(torch.float16) for _ in range(n)]
+@pytest.fixture
+def eng_factory():  # type: ignore[no-untyped-def]
+    made: list[Engine] = []
+
+    def make(seed: int) -> Engine:
+        made.append(Engine("cuda", seed))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
 
 
-def _items(payloads: list[torch.Tensor], blocks: list[int]) -> list[RestoreItem]:
-    per = C // N
-    return [RestoreItem(p, 0, C, blocks[i * per:(i + 1) * per]) for i, p in enumerate(payloads)]
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_layer_reads_see_the_restore_over_pending_zeroing(eng_factory, seed: int, pinned: bool) -> None:  # type: ignore[no-untyped-def]
+    restore_over_pending_writes(eng_factory(seed), pinned)
 
 
-def test_layerwise_restore_on_a_side_stream_matches_the_cpu_path() -> None:
-    dev = torch.device("cuda")
-    layout = detect_layout(_caches("cpu")[0], backend="FLASH_ATTN", block_size=N, num_kv_heads=H, head_dim=D)
-    gpu, cpu = _caches("cuda"), _caches("cpu")
-    gviews = [kv_views(t, layout) for t in gpu]
-    cviews = [kv_views(t, layout) for t in cpu]
-    payloads = _payloads(3)
-    blocks = [5, 9, 1, 30, 2, 7, 11, 13, 17, 19, 23, 29]
-    items = _items(payloads, blocks)
-    copier = CudaCopier(dev)
-    pipe = LayerPipeline()
-    copier.begin_restore(L)
-    run = pipe.start(L, lambda layer: copier.restore_layer(gviews[layer], layer, items))
-    for layer in range(L):
-        assert run.wait(layer, 30)
-        copier.layer_ready(layer)  # the compute stream now waits on that layer's event only
-        # Work enqueued on the compute stream after the wait sees the restored blocks.
-        probe = gviews[layer][0][blocks].float().sum()
-        assert torch.isfinite(probe)
-    copier.finish_restore()
-    torch.cuda.current_stream().synchronize()
-    CpuCopier().restore_blocking(cviews, items)
-    for g, c in zip(gpu, cpu):
-        assert torch.equal(g.cpu(), c)
-    pipe.close()
+@pytest.mark.parametrize("seed", SEEDS)
+def test_finish_restore_orders_the_next_step(eng_factory, seed: int) -> None:  # type: ignore[no-untyped-def]
+    restore_without_layer_waits(eng_factory(seed))
 
 
-def test_capture_into_pinned_staging_is_fenced_for_the_saver_thread() -> None:
-    dev = torch.device("cuda")
-    layout = detect_layout(_caches("cpu")[0], backend="FLASH_ATTN", block_size=N, num_kv_heads=H, head_dim=D)
-    gpu = _caches("cuda")
-    for t in gpu:
-        t.normal_()
-    views = [kv_views(t, layout) for t in gpu]
-    blocks = [3, 8, 21, 4]
-    copier = CudaCopier(dev)
-    staging = copier.staging((L, 2, len(blocks) * N, H, D), torch.float16)
-    assert staging.is_pinned()
-    for layer in range(L):
-        copier.capture_layer(views[layer], blocks, staging[layer])
-    fence = copier.end_capture()
-    got: list[torch.Tensor] = []
-    t = threading.Thread(target=lambda: (fence.wait(), got.append(staging.clone())))
-    t.start()
-    t.join(30)
-    for layer in range(L):
-        ref = torch.empty(2, len(blocks) * N, H, D, dtype=torch.float16)
-        gather_layer(kv_views(gpu[layer].cpu(), layout), blocks, ref)
-        assert torch.equal(got[0][layer], ref)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_async_restore_follows_compute_work_enqueued_before_it(eng_factory, seed: int) -> None:  # type: ignore[no-untyped-def]
+    async_restore_over_pending_writes(eng_factory(seed))
 
 
-def test_async_restore_blocking_completes_before_returning() -> None:
-    dev = torch.device("cuda")
-    layout = detect_layout(_caches("cpu")[0], backend="FLASH_ATTN", block_size=N, num_kv_heads=H, head_dim=D)
-    gpu, cpu = _caches("cuda"), _caches("cpu")
-    items = _items(_payloads(2), [6, 0, 12, 31, 14, 15, 16, 3])
-    CudaCopier(dev).restore_blocking([kv_views(t, layout) for t in gpu], items)
-    CpuCopier().restore_blocking([kv_views(t, layout) for t in cpu], items)
-    for g, c in zip(gpu, cpu):
-        assert torch.equal(g.cpu(), c)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_capture_sees_writes_before_it_and_not_after(eng_factory, seed: int) -> None:  # type: ignore[no-untyped-def]
+    eng = eng_factory(seed)
+    ids = blocks(eng, 8)
+    capture_between_writes(eng, [ids[:4], ids[4:]])
+
+
+def test_forward_thread_calls_never_synchronise_the_host(eng_factory) -> None:  # type: ignore[no-untyped-def]
+    """With the compute stream busy for ~0.5 s, every call the forward thread makes returns
+    at once, and none is a hidden host sync (sync debug mode "error" raises on one)."""
+    eng = eng_factory(0)
+    ids = blocks(eng, 8)
+    per = 2
+    staging = [eng.dev.pinned(t.shape, t.dtype) for t in eng.payloads(4, pinned=True)]
+    torch.cuda._sleep(1_000_000_000)
+    worst = 0.0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t0 = time.perf_counter()
+        eng.copier.begin_restore(3)
+        cap: CaptureIndex = eng.copier.begin_capture(ids, per)
+        for layer in range(3):
+            eng.copier.capture_layer(eng.views[layer], layer, [(cap, [t[layer] for t in staging])])
+        fence = eng.copier.end_capture()
+        after = eng.copier.order_async()
+        worst = time.perf_counter() - t0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert worst < 0.1, f"forward-thread calls took {worst * 1e3:.1f} ms behind a busy stream"
+    assert not fence.event.query()  # type: ignore[attr-defined]
+    fence.wait()
+    after.synchronize()
+    eng.copier.finish_restore()
+
+
+def test_host_memory_is_pinned_without_the_power_of_two_allocator() -> None:
+    region = HostRegion(3 * (1 << 20) + 4096, "always", align=1 << 20)
+    assert region.pinned
+    t = torch.frombuffer(region.map, dtype=torch.uint8, count=region.nbytes)
+    assert t.is_pinned()
+    tier = CpuTier(CpuTierConfig(capacity_bytes=8 << 20, slot_bytes=1 << 20, pin_memory="always"))
+    assert tier.pinned
+    tier.close()
+    pool = StagingPool(4 << 20, (2, 2, 16, 8, 64), torch.float16, CudaDevice(torch.device("cuda")).host_buffer)
+    assert pool.slots == (4 << 20) // (2 * 2 * 16 * 8 * 64 * 2)
+    assert pool.tensor(0).is_pinned()

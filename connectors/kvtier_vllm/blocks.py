@@ -12,6 +12,9 @@ sit inside a block depends on the attention backend and the vLLM version:
               ``[B, H, N, 2*D]`` with any physical stride order (NHD or HND); the last dim is
               ``K(D) | V(D)`` of one token and head.
 ``kv_first``  vLLM <= 0.1x FlashAttention: ``[2, B, N, H, D]`` (K plane, then V plane).
+``mla``       MLA latent caches (DeepSeek-style): ``[B, N, D]`` (vLLM 0.32 GPU MLA backends) or
+              ``[B, 1, N, D]``, D = kv_lora_rank + rope dim (576): one plane, not K and V.
+              Chunks carry ``kv=1`` and one head, so the payload says what it is.
 ``opaque``    anything else whose blocks are contiguous (other CPU ISAs, quantised layouts):
               the block's bytes are copied as they are. Exact within one engine build, but the
               bytes are not the canonical layout, so the connector adds the layout tag to the
@@ -30,9 +33,12 @@ from typing import Any
 
 import torch
 
-KINDS = ("cpu_vec", "split_c", "kv_first", "opaque")
+KINDS = ("cpu_vec", "split_c", "kv_first", "mla", "opaque")
 # CPU ISAs whose cache layout was verified against the kernel; AMX/NEON/... stay opaque.
 CPU_VEC_ISAS = ("vec", "vec16")
+
+# One layer's paged KV as canonical ``[num_blocks, N, H, D]`` planes: (K, V), or (latent,) for MLA.
+Views = tuple[torch.Tensor, ...]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -69,19 +75,30 @@ class PagedLayout:
         return self.kind != "opaque"
 
     @property
+    def planes(self) -> int:
+        """Planes per token: 2 (K and V) or 1 (an MLA latent)."""
+        return 1 if self.kind == "mla" else 2
+
+    @property
     def block_elems(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.planes * self.block_size * self.num_kv_heads * self.head_dim
 
 
 def detect_layout(t: torch.Tensor, *, backend: str, block_size: int, num_kv_heads: int,
-                  head_dim: int, isa: str | None = None) -> PagedLayout:
-    """Classify ``t`` (one layer's KV cache as handed to ``register_kv_caches``).
+                  head_dim: int, isa: str | None = None, mla: bool = False) -> PagedLayout:
+    """Classify ``t`` (one layer's KV cache as handed to ``register_kv_caches``); ``mla``: the
+    model uses MLA (vLLM's ``model_config.use_mla``), so ``head_dim`` is the latent width.
 
     Raises ValueError when the tensor cannot be handled at all (then the connector disables
     itself rather than risk wrong bytes).
     """
     shape = tuple(t.shape)
     name = backend.upper()
+    if mla:
+        if (len(shape) == 3 and shape[1:] == (block_size, head_dim)
+                or len(shape) == 4 and shape[1:] == (1, block_size, head_dim)) and t.stride(-1) == 1:
+            return PagedLayout("mla", shape[0], block_size, 1, head_dim)
+        raise ValueError(f"unsupported MLA KV cache tensor: shape {shape}, strides {t.stride()}")
     four_d = len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim)
     if len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
         return PagedLayout("kv_first", shape[1], block_size, num_kv_heads, head_dim)
@@ -102,8 +119,9 @@ def _block_contiguous(t: torch.Tensor) -> bool:
     return t.dim() >= 2 and t[0].is_contiguous()
 
 
-def kv_views(t: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V), each a strided ``[num_blocks, N, H, D]`` view sharing ``t``'s storage.
+def kv_views(t: torch.Tensor, layout: PagedLayout) -> Views:
+    """(K, V), each a strided ``[num_blocks, N, H, D]`` view sharing ``t``'s storage; for MLA
+    the one latent plane ``[num_blocks, N, 1, D]``.
 
     For ``opaque`` layouts the two views are the two halves of each block's raw elements,
     shaped ``[num_blocks, N, H, D]`` only by reinterpretation.
@@ -117,6 +135,8 @@ def kv_views(t: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.
         return t[..., :d].permute(0, 2, 1, 3), t[..., d:].permute(0, 2, 1, 3)
     if layout.kind == "kv_first":
         return t[0], t[1]
+    if layout.kind == "mla":
+        return (t.view(b, n, 1, d),) if t.dim() == 3 else (t.permute(0, 2, 1, 3),)
     raw = t.view(b, 2, n, h, d)
     return raw[:, 0], raw[:, 1]
 
@@ -127,32 +147,31 @@ def _index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> tor
     return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
 
-def gather_layer(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-                 out: torch.Tensor) -> None:
-    """Copy blocks ``block_ids`` of one layer into ``out`` ``[2, len(block_ids)*N, H, D]``.
+def gather_layer(views: Views, block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor) -> None:
+    """Copy blocks ``block_ids`` of one layer into ``out`` ``[P, len(block_ids)*N, H, D]``
+    (P planes: 2 for K/V, 1 for an MLA latent).
 
     ``out`` must be contiguous and on the views' device; the copy runs on the current stream.
     """
-    k, v = views
-    idx = _index(block_ids, k.device)
+    idx = _index(block_ids, views[0].device)
     nb = idx.numel()
-    n, h, d = k.shape[1:]
-    if tuple(out.shape) != (2, nb * n, h, d) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous (2, {nb * n}, {h}, {d}), got {tuple(out.shape)}")
-    for plane, src in ((0, k), (1, v)):
+    n, h, d = views[0].shape[1:]
+    want = (len(views), nb * n, h, d)
+    if tuple(out.shape) != want or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {want}, got {tuple(out.shape)}")
+    for plane, src in enumerate(views):
         torch.index_select(src, 0, idx, out=out[plane].view(nb, n, h, d))
 
 
-def scatter_layer(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-                  src: torch.Tensor) -> None:
-    """Write ``src`` ``[2, len(block_ids)*N, H, D]`` into blocks ``block_ids`` of one layer."""
-    k, v = views
-    idx = _index(block_ids, k.device)
+def scatter_layer(views: Views, block_ids: Sequence[int] | torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src`` ``[P, len(block_ids)*N, H, D]`` into blocks ``block_ids`` of one layer."""
+    idx = _index(block_ids, views[0].device)
     nb = idx.numel()
-    n, h, d = k.shape[1:]
-    if tuple(src.shape) != (2, nb * n, h, d):
-        raise ValueError(f"src must be (2, {nb * n}, {h}, {d}), got {tuple(src.shape)}")
-    for plane, dst in ((0, k), (1, v)):
+    n, h, d = views[0].shape[1:]
+    want = (len(views), nb * n, h, d)
+    if tuple(src.shape) != want:
+        raise ValueError(f"src must be {want}, got {tuple(src.shape)}")
+    for plane, dst in enumerate(views):
         dst.index_copy_(0, idx, src[plane].reshape(nb, n, h, d))
 
 
@@ -164,34 +183,32 @@ def _np(t: torch.Tensor) -> Any:
     return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
 
 
-def gather_layer_host(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int],
-                      out: torch.Tensor) -> None:
+def gather_layer_host(views: Views, block_ids: Sequence[int], out: torch.Tensor) -> None:
     """``gather_layer`` for CPU tensors as single-threaded block copies (numpy).
 
     Why: kvtier's loader/saver threads run beside the forward pass; a torch op there would
     start an OpenMP team as wide as the engine's and fight it for the cores. A per-block copy
     is also ~2x faster than ``index_select`` through the transposed K view.
     """
-    k, v = views
-    n, h, d = k.shape[1:]
+    n, h, d = views[0].shape[1:]
     nb = len(block_ids)
-    if tuple(out.shape) != (2, nb * n, h, d) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous (2, {nb * n}, {h}, {d}), got {tuple(out.shape)}")
-    for plane, src in ((0, k), (1, v)):
+    want = (len(views), nb * n, h, d)
+    if tuple(out.shape) != want or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {want}, got {tuple(out.shape)}")
+    for plane, src in enumerate(views):
         s, o = _np(src), _np(out[plane]).reshape(nb, n, h, d)
         for j, b in enumerate(block_ids):
             o[j] = s[b]
 
 
-def scatter_layer_host(views: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int],
-                       src: torch.Tensor) -> None:
+def scatter_layer_host(views: Views, block_ids: Sequence[int], src: torch.Tensor) -> None:
     """``scatter_layer`` for CPU tensors as single-threaded block copies (see above)."""
-    k, v = views
-    n, h, d = k.shape[1:]
+    n, h, d = views[0].shape[1:]
     nb = len(block_ids)
-    if tuple(src.shape) != (2, nb * n, h, d):
-        raise ValueError(f"src must be (2, {nb * n}, {h}, {d}), got {tuple(src.shape)}")
-    for plane, dst in ((0, k), (1, v)):
+    want = (len(views), nb * n, h, d)
+    if tuple(src.shape) != want:
+        raise ValueError(f"src must be {want}, got {tuple(src.shape)}")
+    for plane, dst in enumerate(views):
         dn, sn = _np(dst), _np(src[plane]).reshape(nb, n, h, d)
         for j, b in enumerate(block_ids):
             dn[b] = sn[j]

@@ -81,6 +81,14 @@ class KVTierConnector(KVConnectorBase_V1):
                 dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
                 world_size=pc.tensor_parallel_size * pc.pipeline_parallel_size, kv_events=kv_events)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True whenever kvtier loads or saves: both run per layer (``wait_for_layer_load``,
+        ``save_kv_layer``), and a full CUDA graph replays without those calls, so a decode
+        batch holding a fully cached prompt would read its blocks before they land."""
+        _, settings = load_settings(extra_config)
+        return settings.load or settings.save
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is only a future miss
@@ -114,7 +122,8 @@ class KVTierConnector(KVConnectorBase_V1):
             rank=pp.rank_in_group * tp + tp_rank, world_size=pp.world_size * tp,
             dp_rank=int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0),
             engine_id=str(self._kv_transfer_config.engine_id), backend=backend,
-            isa=getattr(layer, "isa", None), kv_events=self._kv_events)
+            isa=getattr(layer, "isa", None), kv_events=self._kv_events,
+            mla=bool(getattr(vc.model_config, "use_mla", False)))
 
     def _meta(self) -> KVTierMetadata | None:
         meta = self._connector_metadata

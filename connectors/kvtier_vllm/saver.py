@@ -1,11 +1,13 @@
 """The saver thread: encode captured chunks and hand them to the store, off the forward pass.
 
 Jobs come from ``wait_for_save`` (one per request with new full chunks this step) with the
-chunks already copied out of vLLM's blocks into a staging tensor ``[chunks, L, 2, C, H, D]``,
-and a fence the thread waits on first (a CUDA event on GPU hosts). ``PrefixCache.save`` skips
-chunks the store already holds, writes the rest through to tier 0 and lets the store cascade
-them down asynchronously. A full queue drops the job (counted): a dropped save is only a future
-miss, never a stall of the engine.
+chunks being copied out of vLLM's blocks into staging slots (one ``(L, P, C, H, D)`` tensor per
+chunk, from the bounded ``StagingPool``), and a fence the thread waits on first (a CUDA event
+on GPU hosts). ``PrefixCache.save`` skips chunks the store already holds, writes the rest
+through to tier 0 and lets the store cascade them down asynchronously. Beyond ``depth`` waiting
+jobs a job is dropped (counted): a dropped save is only a future miss, never a stall of the
+engine. A dropped job still passes through the thread, which waits for its fence before it
+returns the slots (copies may still be writing them); the pool bounds how many can wait.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from kvtier.cache import PrefixCache
 
-from .copier import Fence
+from .copier import CaptureIndex, Fence
 from .protocol import SaveSpec, StoredChunks
 from .stats import ConnectorMetrics, StatsCollector
 
@@ -29,11 +31,15 @@ log = logging.getLogger(__name__)
 
 
 class SaveJob:
-    def __init__(self, spec: SaveSpec, staging: torch.Tensor, layers: int) -> None:
+    def __init__(self, spec: SaveSpec, staging: list[torch.Tensor], layers: int,
+                 release: Callable[[], None], index: CaptureIndex) -> None:
         self.spec = spec
-        self.staging = staging           # [chunks, L, 2, C, H, D]
+        self.staging = staging           # one (L, P, C, H, D) tensor per chunk
         self.captured = [False] * layers
         self.fence: Fence | None = None
+        self.release = release           # gives the staging slots back; after the fence only
+        self.index = index
+        self.dropped = False
 
 
 class Saver:
@@ -44,20 +50,25 @@ class Saver:
         self._chunk = chunk
         self._stats, self._cmetrics = stats, cmetrics
         self._on_stored = on_stored
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue(depth)
+        self._depth = depth
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, args=(thread_init,), name="kvtier-saver",
                                         daemon=True)
         self._thread.start()
 
     def submit(self, job: SaveJob) -> bool:
-        """Queue ``job`` (never blocks); False when the queue is full and the job was dropped."""
-        try:
-            self._queue.put_nowait(job)
-            return True
-        except queue.Full:
-            self._stats.add(save_dropped=1)
-            self._cmetrics.save_dropped.inc()
-            return False
+        """Queue ``job`` (never blocks); False when ``depth`` jobs wait and it was dropped (it
+        is still queued, marked dropped, so its slots come back after its fence)."""
+        if job.dropped or self._queue.qsize() >= self._depth:
+            if not job.dropped:
+                self.count_dropped()
+            job.dropped = True
+        self._queue.put_nowait(job)
+        return not job.dropped
+
+    def count_dropped(self, n: int = 1) -> None:
+        self._stats.add(save_dropped=n)
+        self._cmetrics.save_dropped.inc(n)
 
     def close(self, timeout_s: float = 30) -> None:
         """Finish the queued jobs (bounded by ``timeout_s``), then stop the thread."""
@@ -71,25 +82,28 @@ class Saver:
             if job is None:
                 return
             try:
-                self._save(job)
+                assert job.fence is not None
+                job.fence.wait()
+                if not job.dropped:
+                    self._save(job)
             except (RuntimeError, ValueError, OSError) as exc:
                 log.error("kvtier: saving %s failed: %s", job.spec.req_id, exc)
                 self._stats.add_by("failures_by_reason", "save_error")
+            finally:
+                job.release()
 
     def _save(self, job: SaveJob) -> None:
-        assert job.fence is not None
-        job.fence.wait()
         spec, c = job.spec, self._chunk
         t0 = time.perf_counter()
         tokens = np.frombuffer(spec.tokens, dtype="<u4")
-        raw = job.staging.view(torch.uint8).numpy()
+        raw = [t.reshape(-1).view(torch.uint8).numpy() for t in job.staging]
 
         def payload_for(start: int, end: int) -> memoryview:
-            return memoryview(raw[start // c - spec.start_chunk])
+            return raw[start // c - spec.start_chunk].data
 
         cache = self._cache_for(spec.salt)
         n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=True)
-        self._stats.add(save_chunks=n, save_bytes=n * int(raw[0].nbytes),
+        self._stats.add(save_chunks=n, save_bytes=n * int(raw[0].nbytes) if raw else 0,
                         save_seconds=time.perf_counter() - t0)
         self._cmetrics.save_chunks.inc(n)
         if self._on_stored is not None:

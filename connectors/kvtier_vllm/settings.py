@@ -44,6 +44,9 @@ class VllmSettings:
     lookup_timeout_s: float = field(default=0.5, metadata=_rng(0.001, 60))
     lookup_cache_s: float = field(default=1.0, metadata=_rng(0, 3600))
     save_queue_depth: int = field(default=64, metadata=_rng(1, 100_000))
+    # Host staging for captured chunks, preallocated once (pinned on GPU hosts); when it is
+    # full the chunks that do not fit are not saved (counted as dropped saves).
+    save_staging_bytes: int = field(default=2 * GiB, metadata=_rng(0, None, size=True))
     socket_dir: str = ""
     metrics_port: int = field(default=0, metadata=_rng(0, 65535))  # 0: no HTTP /metrics
 

@@ -37,18 +37,20 @@ from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher, lo
 from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, detect_layout, dtype_name, kv_views, payload_tensor
-from .copier import Copier, RestoreItem, make_copier
+from .capture import StepCapture
+from .copier import Copier, RestoreItem, RestorePlan
+from .devcopier import make_copier
 from .ipc import LookupServer, socket_path
 from .protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
     LoadOutcome,
     LoadSpec,
-    SaveSpec,
     StoredChunks,
 )
-from .saver import SaveJob, Saver
+from .saver import Saver
 from .settings import VllmSettings
+from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
 from .threads import background_pinner, pin_existing
 
@@ -71,6 +73,7 @@ class EngineInfo:
     backend: str
     isa: str | None
     kv_events: bool
+    mla: bool = False  # MLA latent cache: one plane, the same bytes on every TP rank
 
 
 class WorkerSide:
@@ -87,7 +90,6 @@ class WorkerSide:
         self._run: LayerRun | None = None
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
-        self._saves: list[SaveJob] = []
 
     # --- setup ----------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -95,9 +97,10 @@ class WorkerSide:
         first = kv_caches[names[0]]
         info = self.info
         shape = tuple(first.shape)
-        heads, head_dim = _heads_dim(shape, info.block_size)
+        heads, head_dim = _heads_dim(shape, info.block_size, info.mla)
         self.layout: PagedLayout = detect_layout(first, backend=info.backend, block_size=info.block_size,
-                                                 num_kv_heads=heads, head_dim=head_dim, isa=info.isa)
+                                                 num_kv_heads=heads, head_dim=head_dim, isa=info.isa,
+                                                 mla=info.mla)
         self.names = names
         self.index = {n: i for i, n in enumerate(names)}
         self.views = [kv_views(kv_caches[n], self.layout) for n in names]
@@ -107,10 +110,14 @@ class WorkerSide:
             revision += f"+kvlayout={info.backend}:{info.isa}:{tuple(first.stride())}"
         if info.cache_dtype not in ("auto", ""):
             revision += f"+kvcache={info.cache_dtype}"
+        # Every TP rank of an MLA model holds the same latent: one namespace for all ranks, so a
+        # shared tier (disk path, redis, kvtier-server) keeps one copy, not one per rank.
+        rank, world = (0, 1) if info.mla else (info.rank, info.world_size)
         self.base_spec = NamespaceSpec(
-            model_id=info.model_id, layout=KVLayout(len(names), heads, head_dim, self.chunk),
-            kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=info.rank,
-            world_size=info.world_size, hash_name=self.cfg.hash)  # type: ignore[arg-type]
+            model_id=info.model_id,
+            layout=KVLayout(len(names), heads, head_dim, self.chunk, kv=self.layout.planes),
+            kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
+            world_size=world, hash_name=self.cfg.hash)  # type: ignore[arg-type]
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
         self.metrics = Metrics()
         self.cmetrics = ConnectorMetrics(self.metrics)
@@ -127,6 +134,7 @@ class WorkerSide:
         self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
                            self.stats, self.cmetrics,
                            self._on_stored if info.kv_events and info.rank == 0 else None)
+        self.use_copier(self.copier)
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.server = LookupServer(path, self._handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
@@ -136,6 +144,15 @@ class WorkerSide:
         self.enabled = True
         log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
                  len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
+
+    def use_copier(self, copier: Copier, staging_bytes: int | None = None) -> None:
+        """Restore and capture through ``copier``, with a fresh staging pool (tests put the
+        worker on the simulated device this way; call before the first step)."""
+        self.copier = copier
+        nbytes = self.settings.save_staging_bytes if staging_bytes is None else staging_bytes
+        self.pool = StagingPool(nbytes, self.chunk_shape, self.torch_dtype, copier.host_buffer)
+        self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
+                                   self.info.block_size, self.stats)
 
     def cache_for(self, salt: bytes) -> PrefixCache:
         with self._lock:
@@ -207,25 +224,29 @@ class WorkerSide:
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
             if spec.is_async:
-                self._async[spec.req_id] = self._async_pool.submit(self._async_load, spec)
+                # Taken here, on the forward thread, whose current stream is the compute stream:
+                # the load must follow the zeroing / preempted writes already enqueued on it.
+                after = self.copier.order_async()
+                self._async[spec.req_id] = self._async_pool.submit(self._async_load, spec, after)
         sync = [s for s in meta.loads if not s.is_async]
         if not sync:
             return
         if self._run is not None:  # never expected: wait_for_save ends every step
             self._finish_sync_run()
-        plans: list[list[RestoreItem]] = []
+        plan: list[RestorePlan] = []
         self._run_specs = []
 
         def before() -> None:
+            items: list[RestoreItem] = []
             for spec in sync:
-                items, outcome = self._plan(spec, self._fetch(spec))
-                plans.append(items)
+                spec_items, outcome = self._plan(spec, self._fetch(spec))
+                items.extend(spec_items)
                 self._run_specs.append((spec, outcome))
+            plan.append(self.copier.prepare_restore(items))  # one block index for the step
             self._t_fetched = time.perf_counter()
 
         def step(layer: int) -> None:
-            for items in plans:
-                self.copier.restore_layer(self.views[layer], layer, items)
+            self.copier.restore_layer(self.views[layer], layer, plan[0])
             self._t_restored = time.perf_counter()
 
         self._t_load = self._t_fetched = self._t_restored = time.perf_counter()
@@ -234,11 +255,11 @@ class WorkerSide:
         self._run = self.pipeline.start(len(self.names), step, before)
         self._sync_specs = sync
 
-    def _async_load(self, spec: LoadSpec) -> tuple[LoadOutcome, list[int]]:
+    def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
         t0 = time.perf_counter()
         try:
             items, outcome = self._plan(spec, self._fetch(spec))
-            self.copier.restore_blocking(self.views, items)
+            self.copier.restore_blocking(self.views, items, after)
         except (RuntimeError, ValueError, OSError) as exc:
             log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc)
             outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
@@ -299,48 +320,18 @@ class WorkerSide:
             log.warning("kvtier: %s restored %d of %d tokens (%s); vLLM recomputes %d blocks",
                         req_id, good, outcome.end - outcome.start, reason, len(failed))
 
-    # --- saves ------------------------------------------------------------------------------------------
+    # --- saves (capture.py; nothing raises into the engine from a save) ------------------------------
     def capture_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
-        if not self.enabled or not meta.saves:
-            return
-        layer = self.index.get(layer_name)
-        if layer is None:
-            return
-        if not self._saves:
-            self._saves = [self._new_job(s) for s in meta.saves]
-        for job in self._saves:
-            self._capture(job, layer)
-
-    def _new_job(self, spec: SaveSpec) -> SaveJob:
-        n = spec.end_chunk - spec.start_chunk
-        staging = self.copier.staging((n, *self.chunk_shape), self.torch_dtype)
-        return SaveJob(spec, staging, len(self.names))
-
-    def _capture(self, job: SaveJob, layer: int) -> None:
-        per = self.chunk // self.info.block_size
-        for j in range(job.spec.end_chunk - job.spec.start_chunk):
-            ids = job.spec.block_ids[j * per:(j + 1) * per]
-            self.copier.capture_layer(self.views[layer], ids, job.staging[j, layer])
-        job.captured[layer] = True
+        layer = self.index.get(layer_name) if self.enabled else None
+        if layer is not None:
+            self.capture.layer(meta.saves, layer)
 
     def end_step(self, meta: KVTierMetadata | None) -> None:
         """wait_for_save: finish this step's restore, then hand the captured chunks over."""
         if not self.enabled:
             return
         short = self._finish_sync_run()
-        jobs, self._saves = self._saves, []
-        if meta is not None and meta.saves and not jobs:
-            jobs = [self._new_job(s) for s in meta.saves]  # no save_kv_layer calls this step
-        for job in jobs:
-            for layer, ok in enumerate(job.captured):
-                if not ok:
-                    self._capture(job, layer)
-        fence = self.copier.end_capture()
-        for job in jobs:
-            if job.spec.req_id in short:
-                continue  # computed over blocks that failed to load: never store it
-            job.fence = fence
-            self.saver.submit(job)
+        self.capture.end(meta.saves if meta is not None else [], short)
 
     def _on_stored(self, stored: StoredChunks) -> None:
         # Saver thread: keep the chunks for the next step's worker metadata (KV events).
@@ -389,8 +380,11 @@ class WorkerSide:
         self.store.close()
 
 
-def _heads_dim(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
-    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]."""
+def _heads_dim(shape: tuple[int, ...], block_size: int, mla: bool = False) -> tuple[int, int]:
+    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]; for MLA
+    one "head" of the latent's full width ([B, N, D] or [B, 1, N, D])."""
+    if mla:
+        return 1, shape[-1]
     if len(shape) == 5 and shape[0] == 2:
         return shape[3], shape[4]
     if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -38,49 +37,22 @@ from typing import Any
 import numpy as np
 
 from kvtier.config import CpuTierConfig
+from kvtier.pinned import HostRegion
 from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys
 
 log = logging.getLogger(__name__)
 
 
-def _pinned_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview] | None:
-    """A pinned uint8 arena through torch when CUDA is present, else None (the caller falls
-    back to pageable memory). torch stays optional: ``auto`` uses it only when the process
-    has already imported it (an engine with CUDA has), so a daemon or a CPU-only process never
-    pays its import; ``always`` imports it."""
-    if pin_memory == "never":
-        return None
-    level = logging.WARNING if pin_memory == "always" else logging.DEBUG
-    torch = sys.modules.get("torch")
-    if torch is None and pin_memory == "always":
-        try:
-            import torch
-        except ImportError:
-            pass
-    if torch is None:
-        log.log(level, "cpu tier: torch is not loaded; arena is pageable memory")
-        return None
-    if not torch.cuda.is_available():
-        log.log(level, "cpu tier: no CUDA device; arena is pageable memory")
-        return None
-    try:
-        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError as exc:  # pinning can fail (locked-memory limits)
-        log.warning("cpu tier: pinning %d bytes failed (%s); arena is pageable memory", nbytes, exc)
-        return None
-    return tensor, tensor.numpy().data
-
-
-def _allocate_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview, bool]:
-    """(owner, uint8 view, pinned). The pageable arena is an anonymous mapping: page-aligned,
-    so slots of page-multiple size can feed O_DIRECT writes without a bounce copy."""
-    pinned = _pinned_arena(nbytes, pin_memory)
-    if pinned is not None:
-        return pinned[0], pinned[1], True
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
-    return (buf, arr), arr.data, False
+def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int) -> tuple[Any, memoryview, bool]:
+    """(owner, uint8 view, pinned): an anonymous mapping of exactly ``nbytes`` (page-aligned, so
+    slots of page-multiple size can feed O_DIRECT writes without a bounce copy), registered with
+    CUDA in slot-aligned pieces when CUDA is present (``kvtier.pinned``). Not torch's pinned
+    allocator: it rounds up to a power of two (48 GiB would lock 64)."""
+    region = HostRegion(nbytes, pin_memory, align=slot_bytes)
+    if not region.pinned and pin_memory != "never":
+        log.debug("cpu tier: arena of %d bytes is pageable memory", nbytes)
+    return region, region.view, region.pinned
 
 
 class CpuTier(BoundedTier):
@@ -99,7 +71,8 @@ class CpuTier(BoundedTier):
         self.slots = config.capacity_bytes // config.slot_bytes
         self.capacity_bytes = self.slots * self.slot_bytes
         self.policy = make_policy(config.policy)
-        self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory)
+        self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory,
+                                                                    self.slot_bytes)
         # Pre-touch: one write per page so the first put does not take page faults.
         np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)

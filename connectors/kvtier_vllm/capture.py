@@ -1,0 +1,110 @@
+"""The forward-thread half of saves: capture each layer's new full chunks into staging slots.
+
+``save_kv_layer`` -> ``layer``: on the first call of a step, one ``SaveJob`` per request the
+scheduler named, with slots from the bounded ``StagingPool`` (a short pool keeps the leading
+chunks and counts the rest as dropped); then the copier captures that layer of every job.
+``wait_for_save`` -> ``end``: capture layers no ``save_kv_layer`` call covered, end the capture
+(one fence for the step) and hand the jobs to the saver thread.
+
+Failure: nothing raises into the engine. A capture error (a device out of memory, a bad shape)
+drops the step's saves, counted as ``failures_by_reason["save_error"]``; the jobs still go to
+the saver marked dropped, which returns their slots after the fence (copies may still be
+writing them). Threads: forward thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from .blocks import Views
+from .copier import Copier
+from .protocol import SaveSpec
+from .saver import SaveJob, Saver
+from .staging import StagingPool
+from .stats import StatsCollector
+
+log = logging.getLogger(__name__)
+
+
+class StepCapture:
+    def __init__(self, copier: Copier, pool: StagingPool, saver: Saver, views: Sequence[Views],
+                 chunk: int, block_size: int, stats: StatsCollector) -> None:
+        self.copier, self.pool, self.saver, self.views = copier, pool, saver, views
+        self.chunk, self.per = chunk, chunk // block_size
+        self.stats = stats
+        self._jobs: list[SaveJob] = []
+        self._failed = False
+
+    def layer(self, saves: Sequence[SaveSpec], layer: int) -> None:
+        if not saves or self._failed:
+            return
+        try:
+            if not self._jobs:
+                self._jobs = self._new_jobs(saves)
+            self._capture(self._jobs, layer)
+        except (RuntimeError, ValueError) as exc:  # e.g. torch.cuda.OutOfMemoryError
+            self._error(exc)
+
+    def end(self, saves: Sequence[SaveSpec], short: set[str]) -> None:
+        """End the step's capture; jobs of requests in ``short`` (their sync load failed, so
+        their KV was computed over bad blocks) are dropped."""
+        jobs, self._jobs = self._jobs, []
+        failed, self._failed = self._failed, False
+        try:
+            if not failed and saves and not jobs:
+                jobs = self._new_jobs(saves)  # no save_kv_layer calls this step
+            if not failed:
+                for layer in range(len(self.views)):
+                    self._capture([j for j in jobs if not j.captured[layer]], layer)
+        except (RuntimeError, ValueError) as exc:
+            self._error(exc)
+            failed, self._failed = True, False
+        try:
+            fence = self.copier.end_capture()
+        except (RuntimeError, ValueError) as exc:
+            # The device is in trouble; the slots of these jobs may still be written: keep them.
+            log.error("kvtier: ending the capture failed; %d save(s) and their staging are "
+                      "dropped: %s", len(jobs), exc)
+            self.saver.count_dropped(len(jobs))
+            return
+        for job in jobs:
+            job.fence = fence
+            if failed or job.spec.req_id in short:
+                job.dropped = True
+            self.saver.submit(job)
+
+    def _error(self, exc: BaseException) -> None:
+        log.error("kvtier: capture failed, this step's saves are dropped: %s", exc)
+        self.stats.add_by("failures_by_reason", "save_error")
+        self._failed = True
+
+    def _new_jobs(self, saves: Sequence[SaveSpec]) -> list[SaveJob]:
+        return [job for s in saves if (job := self._new_job(s)) is not None]
+
+    def _new_job(self, spec: SaveSpec) -> SaveJob | None:
+        """A job with staging slots for the leading chunks the pool can hold (None: none)."""
+        n = spec.end_chunk - spec.start_chunk
+        pool = self.pool
+        slots = pool.take(n)
+        if len(slots) < n:
+            self.saver.count_dropped()  # the chunks past the slots are not saved this time
+            if not slots:
+                return None
+            end = spec.start_chunk + len(slots)
+            spec = dataclasses.replace(spec, end_chunk=end, tokens=spec.tokens[:end * self.chunk * 4])
+        try:
+            index = self.copier.begin_capture(spec.block_ids[:len(slots) * self.per], self.per)
+        except (RuntimeError, ValueError):
+            pool.give(slots)
+            raise
+        return SaveJob(spec, [pool.tensor(i) for i in slots], len(self.views),
+                       lambda: pool.give(slots), index)
+
+    def _capture(self, jobs: Sequence[SaveJob], layer: int) -> None:
+        if jobs:
+            self.copier.capture_layer(self.views[layer], layer,
+                                      [(job.index, [t[layer] for t in job.staging]) for job in jobs])
+        for job in jobs:
+            job.captured[layer] = True

@@ -1,0 +1,93 @@
+"""Page-locked host memory without torch's pinned caching allocator.
+
+torch's ``pin_memory=True`` goes through a power-of-two caching allocator: a 48 GiB arena locks
+64 GiB. ``HostRegion`` maps exactly the bytes asked for (anonymous, page-aligned) and registers
+them with ``cudaHostRegister`` in pieces (as vLLM's offloading region does), so the GPU copies
+to and from them asynchronously at full link speed. Pieces are a multiple of ``align`` bytes
+(the caller's slot size), so no slot straddles two registrations.
+
+torch stays optional: registration is attempted only when torch is importable and a CUDA
+device is present; otherwise (or when registration fails, e.g. locked-memory limits) the region
+stays pageable and ``pinned`` is False. Threads: build and ``close`` on one thread; the bytes
+themselves are the caller's to share.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 1 << 30
+
+
+def _cudart(import_torch: bool) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None and import_torch:
+        try:
+            import torch
+        except ImportError:
+            return None
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.cudart()
+
+
+class HostRegion:
+    """``nbytes`` of anonymous memory, registered with CUDA when ``pin`` asks and CUDA is there.
+
+    ``pin``: "never", "auto" (only when the process already imported torch, so a daemon never
+    pays for its import), "always" (import torch; warn when pinning is impossible).
+    """
+
+    def __init__(self, nbytes: int, pin: str = "auto", align: int = 1) -> None:
+        if pin not in ("never", "auto", "always"):
+            raise ValueError(f"pin must be never, auto or always, got {pin!r}")
+        self.nbytes = nbytes
+        self.map = mmap.mmap(-1, max(nbytes, 1))
+        self.view = memoryview(self.map)[:nbytes]
+        self._registered: list[int] = []
+        self._cudart: Any = None
+        self.pinned = False
+        if pin != "never" and nbytes > 0:
+            self._register(pin, max(1, PIECE_BYTES // max(align, 1)) * max(align, 1))
+
+    def _register(self, pin: str, piece: int) -> None:
+        level = logging.WARNING if pin == "always" else logging.DEBUG
+        cudart = _cudart(import_torch=pin == "always")
+        if cudart is None:
+            log.log(level, "host region: no torch with CUDA; %d bytes stay pageable", self.nbytes)
+            return
+        import ctypes
+
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self._cudart = cudart
+        for off in range(0, self.nbytes, piece):
+            size = min(piece, self.nbytes - off)
+            rc = int(cudart.cudaHostRegister(base + off, size, 0))
+            if rc != 0:
+                log.warning("host region: cudaHostRegister of %d bytes failed (error %d); the "
+                            "region stays pageable", size, rc)
+                self._unregister()
+                return
+            self._registered.append(base + off)
+        self.pinned = True
+
+    def _unregister(self) -> None:
+        for ptr in self._registered:
+            self._cudart.cudaHostUnregister(ptr)
+        self._registered = []
+        self.pinned = False
+
+    def close(self) -> None:
+        """Unregister (the mapping itself goes when the last view of it is dropped)."""
+        if self._registered:
+            self._unregister()
+
+    def __del__(self) -> None:
+        # Nothing can be copying from a region nobody references: give the pages back to the
+        # driver before the mapping goes, so a later mapping at this address can register.
+        self.close()
