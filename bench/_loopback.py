@@ -9,7 +9,8 @@ start, nothing allocated per operation. It is a source/sink, not a store: it kee
 checks nothing and copies nothing it does not have to, so it bounds what any socket server
 written in Python can move here. Requests are a 9-byte header ``<op:1><n:u64>``:
 
-- ``P`` n: the next n bytes are a put body (read into the connection's sink); reply ``k``.
+- ``P`` n: the next n bytes are a put body (read 1 MiB at a time into the same window of
+  the connection's sink, so the bytes stay in cache as they do for the asyncio sink); reply ``k``.
 - ``G`` n: reply with n bytes of payload.
 - ``M`` n: the next n bytes name a /dev/shm file the client made; map it for this connection.
 - ``p`` n: copy n bytes from the mapped segment into the sink (the server's half of a put
@@ -42,6 +43,7 @@ from typing import cast
 
 HEAD = struct.Struct("<cQ")
 MAX_BODY = 16 << 20  # larger than any batch bench/remote.py sends (8 MiB + chunk headers)
+WINDOW = 1 << 20  # a put body lands here piece by piece: the sink keeps nothing
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -76,8 +78,12 @@ def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
             op, n = HEAD.unpack(head)
             if n > MAX_BODY:
                 raise ValueError(f"body of {n} bytes over {MAX_BODY}")
-            if op == b"P":
-                _recv_exact(conn, sink[:n])
+            if op == b"P":  # into a 1 MiB window reused, as the asyncio sink does: cache-hot
+                left = n
+                while left:
+                    take = min(left, WINDOW)
+                    _recv_exact(conn, sink[:take])
+                    left -= take
                 _send_exact(conn, ack)
             elif op == b"G":
                 _send_exact(conn, payload[:n])
