@@ -15,8 +15,15 @@ min/median/max; ratios use medians. TTFT = wall time of ``LLM.generate`` for one
     ttft_warm_cpu_s      kvtier cpu tier holds the prefix (vLLM's prefix cache reset)
     ttft_warm_remote_s   only a kvtier-server holds it (grpc tier, no local tier): every
                          chunk crosses the loopback network, loaded asynchronously
-    save_throughput_ratio  output tokens/s with kvtier saving everything / without kvtier,
-                         for non-repeating prompts (batch of 8)
+    save_throughput_ratio  output tokens/s with kvtier saving everything into its cpu tier
+                         (RAM) / without kvtier, for non-repeating prompts (batch of 8)
+    save_throughput_ratio_disk    the same, saving into a disk tier only (no cpu tier)
+    save_throughput_ratio_remote  the same, saving into a kvtier-server only (grpc tier)
+
+Each save ratio is taken against the plain engine measured in the same phase, alternating
+which engine goes first. Saves are asynchronous (a full write-behind queue drops writes
+rather than stall the engine), so each phase also reports how many chunks its tier received
+(``saved_chunks_*``) against those offered (``offered_chunks``).
 
 At most two engines run at a time (this machine has 2 cores and other jobs): the plain engine
 stays up while the kvtier engines take turns, and measurements alternate between them. The
@@ -78,6 +85,20 @@ class Bench:
         reply = rep.call({"op": "generate", "prompts": [{"tokens": tokens}], "max_tokens": 1}, timeout_s=600)
         return float(reply["wall_s"]), reply["outputs"][0]
 
+    def throughput_pair(self, plain: Replica, rep: Replica) -> tuple[list[float], list[float]]:
+        """(kvtier saving, kvtier off) output tok/s, --reps each, alternating which goes first."""
+        on: list[float] = []
+        off: list[float] = []
+        for i in range(self.reps):
+            pair = [(plain, off), (rep, on)]
+            for r, into in pair if i % 2 == 0 else pair[::-1]:
+                into.append(self.throughput(r))
+        return on, off
+
+    def offered_chunks(self) -> int:
+        """Full chunks the throughput prompts of one phase offer for saving (8 x 512 tokens)."""
+        return self.reps * 8 * (512 // 256)
+
     def throughput(self, rep: Replica) -> float:
         prompts = [{"tokens": self.tokens(512)} for _ in range(8)]
         reply = rep.call({"op": "generate", "prompts": prompts, "max_tokens": 64}, timeout_s=600)
@@ -124,20 +145,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rep, into in pair if i % 2 == 0 else pair[::-1]:
             into.append(b.throughput(rep))
     cpu.close()
+    disk_dir = b.work / "disk"
+    disk = b.replica("disk", {"cpu": {"enabled": False},
+                              "disk": {"enabled": True, "path": str(disk_dir), "capacity_bytes": "4GiB"}})
+    files_before = _files(disk_dir)
+    try:
+        tput_disk, tput_off_disk = b.throughput_pair(plain, disk)
+    finally:
+        disk.close()
+    saved_disk = _files(disk_dir) - files_before
     print(f"TTFT cold (no kvtier)              {fmt(cold, 's', 3)}")
     print(f"TTFT suffix only, plain engine     {fmt(floor_plain, 's', 3)}")
     print(f"TTFT suffix only, cpu-tier engine  {fmt(floor_cpu, 's', 3)}")
     print(f"TTFT warm from kvtier cpu tier     {fmt(warm_cpu, 's', 3)}")
     print(f"output tok/s, kvtier off           {fmt(tput_off, 'tok/s', 1)}")
     print(f"output tok/s, kvtier saving on     {fmt(tput_on, 'tok/s', 1)}")
+    print(f"output tok/s, off (disk phase)     {fmt(tput_off_disk, 'tok/s', 1)}")
+    print(f"output tok/s, saving to disk tier  {fmt(tput_disk, 'tok/s', 1)}  "
+          f"({saved_disk} of {b.offered_chunks()} offered chunks on disk)")
 
     warm_remote: list[float] | None = None
     floor_remote: list[float] = []
+    tput_remote: list[float] = []
+    tput_off_remote: list[float] = []
+    saved_remote = 0
     remote_note = ""
     try:
-        warm_remote, floor_remote = remote_ttft(b)
+        warm_remote, floor_remote, tput_remote, tput_off_remote, saved_remote = remote_ttft(b, plain)
         print(f"TTFT suffix only, remote engine    {fmt(floor_remote, 's', 3)}")
         print(f"TTFT warm from kvtier-server       {fmt(warm_remote, 's', 3)}")
+        print(f"output tok/s, off (remote phase)   {fmt(tput_off_remote, 'tok/s', 1)}")
+        print(f"output tok/s, saving to server     {fmt(tput_remote, 'tok/s', 1)}  "
+              f"({saved_remote} of {b.offered_chunks()} offered chunks on the server)")
     except (ImportError, RuntimeError, OSError, TimeoutError) as exc:
         remote_note = f"{type(exc).__name__}: {exc}"
         print(f"TTFT warm from kvtier-server       unavailable ({remote_note})")
@@ -156,10 +195,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warm_cpu_overhead_ratio": median(warm_cpu) / median(floor_cpu),
         "cold_over_warm_cpu": median(cold) / median(warm_cpu),
         "save_throughput_ratio": median(tput_on) / median(tput_off),
+        "save_throughput_ratio_disk": median(tput_disk) / median(tput_off_disk),
+        "save_throughput_ratio_remote": median(tput_remote) / median(tput_off_remote) if tput_remote else None,
+        "offered_chunks": b.offered_chunks(), "saved_chunks_disk": saved_disk,
+        "saved_chunks_remote": saved_remote if tput_remote else None,
         "runs": {"ttft_cold_s": cold, "ttft_suffix_only_plain_s": floor_plain,
                  "ttft_suffix_only_cpu_engine_s": floor_cpu, "ttft_suffix_only_s": floor_remote,
                  "ttft_warm_cpu_s": warm_cpu, "ttft_warm_remote_s": warm_remote,
-                 "tok_s_off": tput_off, "tok_s_on": tput_on},
+                 "tok_s_off": tput_off, "tok_s_on": tput_on,
+                 "tok_s_off_disk_phase": tput_off_disk, "tok_s_on_disk": tput_disk,
+                 "tok_s_off_remote_phase": tput_off_remote, "tok_s_on_remote": tput_remote},
     })
     if remote_note:
         res["ttft_warm_remote_note"] = remote_note
@@ -168,8 +213,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def remote_ttft(b: Bench) -> tuple[list[float], list[float]]:
-    """(warm, floor) with only a kvtier-server holding the prefix (grpc tier, no local tier)."""
+def _files(root: Path) -> int:
+    """Regular files under ``root`` (the disk tier keeps one per chunk)."""
+    return sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+def remote_ttft(b: Bench, plain: Replica) -> tuple[list[float], list[float], list[float], list[float], int]:
+    """(warm, floor) with only a kvtier-server holding the prefix (grpc tier, no local tier),
+    then (saving, off) throughput against ``plain`` and the chunks the server received."""
     from tests.kvtier_servers import start_server
 
     server = start_server(b.work / "server", "--cpu-bytes", "1GiB", "--slot-bytes", "4MiB", timeout=60)
@@ -196,7 +247,10 @@ def remote_ttft(b: Bench) -> tuple[list[float], list[float]]:
                 w, f = b.warm(rep, "warm remote", "grpc", settle)
                 warm.append(w)
                 floor.append(f)
-            return warm, floor
+            before = server_entries(server)
+            on, off = b.throughput_pair(plain, rep)
+            time.sleep(1.0)  # let the last queued saves land before counting
+            return warm, floor, on, off, server_entries(server) - before
         finally:
             rep.close()
     finally:

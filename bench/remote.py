@@ -1,29 +1,38 @@
 #!/usr/bin/env python
-"""kvtier-server vs Redis vs the loopback limit, in one run on this machine.
+"""kvtier-server against Redis and against this machine's own ceilings, in one run.
 
     python bench/remote.py [--quick] [--reps N] [--seconds S]
 
-Starts a kvtier-server (1 node, RAM tier), its own redis-server (redis-py + hiredis,
-pipelined MSET/MGET; also redis-py "tuned" as bench/remote_redis.py sets it up) and a plain
-asyncio TCP source/sink (the loopback limit), then moves batches of 8 MiB of values (256 KiB or
-1 MiB each) with 1 and 4 concurrent clients (separate processes), put, get (fresh ``bytes``,
-like MGET) and get_into (caller's buffers), for every data path the grpc tier supports: shm
-(what it picks for a node on this host), socket, grpc. Each figure is
-aggregate GB/s over a timed window, repeated (min/median/max). Ratios use medians of the
-same run. Last line: one JSON object (get_vs_redis, put_vs_redis, get_vs_tcp, put_vs_tcp at
-1 MiB / 4 clients for the path the client picks by default, and every raw figure).
+Starts a kvtier-server (1 node, RAM tier), its own redis-server (redis-py as shipped, with
+hiredis, and redis-py "tuned" with the non-copying Python packer kvtier's redis tier uses,
+bench/remote_redis.py; pipelined MSET/MGET) and the ceilings of bench/_loopback.py: a TCP
+source/sink built like kvtier's data plane (a blocking thread per connection, ``sendmsg`` /
+``recv_into``, no per-operation allocation: the best a Python server does on this socket) and
+an inter-process memcpy through a shared segment (the least work that moves bytes between two
+processes' memory). It then moves batches of 8 MiB of values (256 KiB or 1 MiB each) with 1
+and 4 concurrent clients (separate processes): put, get (fresh ``bytes``, like MGET) and
+get_into (caller's buffers), for every data path the grpc tier supports: shm (what it picks
+for a node on this host), socket, grpc. Each figure is aggregate GB/s over a timed window,
+repeated with the systems interleaved (min/median/max); ratios use medians of the same run.
+
+Last line: one JSON object. Headline ratios, like for like at 1 MiB x 4 clients:
+``socket_{get,put}_vs_tcp`` and ``socket_{get,put}_vs_redis_tuned`` (kvtier's bytes over the
+same loopback socket as the baseline's), ``shm_{get,put}_vs_memcpy`` (the shm path against
+its own ceiling). The ceilings receive into a buffer made once, so ``socket_get_vs_tcp``
+includes the fresh ``bytes`` kvtier's ``get`` allocates; ``socket_get_into_vs_tcp`` and
+``shm_get_into_vs_memcpy`` compare buffer with buffer. ``shm_*_vs_redis`` / ``shm_*_vs_tcp`` are what the old headline keys
+``get_vs_redis`` ... measured (the client's default path on loopback is shm, whose bytes never
+cross a socket): kept, named for what they compare; ``*_vs_tcp_asyncio`` and
+``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view. ``gbps`` holds every raw figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import multiprocessing as mp
 import os
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -36,62 +45,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
+from _loopback import LoopbackClient, serve
 from _stats import Stats, fmt
 
 BATCH_BYTES = 8 << 20
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20}
 CLIENTS = (1, 4)
-_TCP = struct.Struct("<cQ")
-
-
-# --- the loopback limit: an asyncio TCP source/sink ---------------------------------------------
-class _SourceSink(asyncio.BufferedProtocol):
-    """``P`` + n: read n bytes (into one reused buffer), answer one byte. ``G`` + n: write n bytes."""
-
-    def __init__(self, payload: memoryview) -> None:
-        self.payload = payload
-        self.buf = bytearray(1 << 20)
-        self.head = bytearray()
-        self.sink_left = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self.buf)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        data = memoryview(self.buf)[:nbytes]
-        while data:
-            if self.sink_left:
-                take = min(self.sink_left, len(data))
-                self.sink_left -= take
-                data = data[take:]
-                if not self.sink_left:
-                    self.transport.write(b"k")
-                continue
-            need = _TCP.size - len(self.head)
-            self.head += data[:need]
-            data = data[need:]
-            if len(self.head) == _TCP.size:
-                op, n = _TCP.unpack(self.head)
-                self.head = bytearray()
-                if op == b"P":
-                    self.sink_left = n
-                else:
-                    for off in range(0, n, len(self.payload)):
-                        self.transport.write(self.payload[: min(len(self.payload), n - off)])
-
-
-def tcp_server(port_file: str) -> None:
-    payload = memoryview(os.urandom(BATCH_BYTES))
-
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(lambda: _SourceSink(payload), "127.0.0.1", 0)
-        Path(port_file).write_text(str(server.sockets[0].getsockname()[1]))
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
 
 
 # --- client workers (one process each) ---------------------------------------------------------
@@ -131,21 +90,19 @@ class _Client:
             else:  # as shipped: hiredis, default settings
                 self.redis = redis.Redis(host="127.0.0.1", port=addr["redis"], socket_timeout=60)
             self.mapping = dict(zip(self.keys, self.values))
-        else:
-            self.sock = socket.create_connection(("127.0.0.1", addr["tcp"]))
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.recv_buf = memoryview(bytearray(self.nbytes))
+        else:  # "tcp" (the socket ceiling) or "memcpy" (the shared-memory ceiling)
+            port = addr["tcp"][1 if path == "asyncio" else 0]
+            self.loop = LoopbackClient(port, self.values)
 
     def put(self) -> None:
         if self.system == "kvtier":
             assert all(self.tier.put(self.entries))
         elif self.system == "redis":
             self.redis.mset(self.mapping)
+        elif self.system == "tcp":
+            self.loop.tcp_put()
         else:
-            self.sock.sendall(_TCP.pack(b"P", self.nbytes))
-            for v in self.values:
-                self.sock.sendall(v)
-            assert self.sock.recv(1) == b"k"
+            self.loop.memcpy_put()
 
     def get(self, into: bool = False) -> None:
         if self.system == "kvtier":
@@ -153,11 +110,10 @@ class _Client:
             assert all(not hasattr(g, "reason") for g in got), got
         elif self.system == "redis":
             assert all(v is not None for v in self.redis.mget(self.keys))
+        elif self.system == "tcp":
+            self.loop.tcp_get()
         else:
-            self.sock.sendall(_TCP.pack(b"G", self.nbytes))
-            view, got = self.recv_buf, 0
-            while got < self.nbytes:
-                got += self.sock.recv_into(view[got:])
+            self.loop.memcpy_get()
 
 
 def worker(wid: int, addr: dict[str, Any], conn: Connection) -> None:
@@ -201,12 +157,13 @@ def start_kvtier(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("kvtier-server not ready")
 
 
-def start_tcp(work: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_tcp(work: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """The ceilings' process (bench/_loopback.py): [threaded port, old asyncio port]."""
     port_file = work / "tcp.port"
     proc = subprocess.Popen([sys.executable, __file__, "--tcp-server", str(port_file)])
-    for _ in range(200):
-        if port_file.exists() and port_file.read_text():
-            return proc, int(port_file.read_text())
+    for _ in range(600):
+        if port_file.exists():
+            return proc, [int(p) for p in port_file.read_text().split()]
         time.sleep(0.05)
     raise SystemExit("tcp source/sink not ready")
 
@@ -239,15 +196,16 @@ def label(system: str, path: str, op: str, size_name: str, clients: int) -> str:
 
 
 def run_plan(quick: bool, tuned: bool) -> dict[tuple[str, int], list[tuple[str, str, str]]]:
-    """(size, clients) -> figures to take. The headline figures (kvtier on its default path,
-    redis, tcp; put and get) at every size and client count; the rest (get_into, the gRPC
-    path, redis with the tuned client) everywhere in a full run, at 1 MiB x 4 with --quick."""
-    base = [(sy, p, op) for sy, p in (("kvtier", "shm"), ("kvtier", "socket"), ("redis", "-"), ("tcp", "-"))
+    """(size, clients) -> figures to take. The headline figures (kvtier's socket path against
+    the TCP ceiling and tuned redis-py, kvtier's shm path against the memcpy ceiling; put and
+    get) at every size and client count; the rest (get_into, the gRPC path, redis-py as
+    shipped) everywhere in a full run, at 1 MiB x 4 with --quick."""
+    base = [(sy, p, op) for sy, p in (("kvtier", "shm"), ("kvtier", "socket"), ("tcp", "-"), ("memcpy", "-"))
             for op in ("put", "get")]
+    base += [("redis", "tuned", op) for op in ("put", "get")] if tuned else []
     extra = [("kvtier", "shm", "get_into"), ("kvtier", "socket", "get_into"), ("kvtier", "grpc", "put"),
-             ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into")]
-    if tuned:
-        extra += [("redis", "tuned", "put"), ("redis", "tuned", "get")]
+             ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
+             ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get")]
     plan = {}
     for size_name in SIZES:
         for clients in CLIENTS:
@@ -261,10 +219,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short windows (finishes in under a minute)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=None, help="measuring window per figure")
+    ap.add_argument("--no-redis-tier", action="store_true",
+                    help="skip bench/remote_redis.py's figures (the redis tier vs raw redis-py)")
     ap.add_argument("--tcp-server", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tcp_server:
-        tcp_server(args.tcp_server)
+        serve(args.tcp_server)
         return
     seconds = args.seconds or (0.15 if args.quick else 1.0)
     reps = max(3, args.reps)
@@ -294,7 +254,7 @@ def main() -> None:
         plan = run_plan(args.quick, tuned_redis_available())
         results: dict[str, list[float]] = {}
         print(f"kvtier-server {kv_addr} (client default data path: {default_path}), "
-              f"redis {rs.port}, tcp {tcp_port}; {seconds}s windows x {reps} reps; batches of 8 MiB")
+              f"redis {rs.port}, tcp/asyncio {tcp_port}; {seconds}s windows x {reps} reps; batches of 8 MiB")
         for (size_name, clients), figures in plan.items():
             for _ in range(reps):  # reps interleaved: load drift hits every system alike
                 for system, path, op in figures:
@@ -314,35 +274,56 @@ def main() -> None:
         tcp_proc.terminate()
         rs.stop()
     med = {k: Stats.of(v).median for k, v in results.items()}
-    kv = f"kvtier-{default_path}"
 
     def ratio(a: str, b: str) -> float | None:
         return med[a] / med[b] if a in med and b in med else None
 
-    out: dict[str, Any] = {
-        "get_vs_redis": ratio(f"{kv} get 1MiB x4", "redis get 1MiB x4"),
-        "put_vs_redis": ratio(f"{kv} put 1MiB x4", "redis put 1MiB x4"),
-        "get_vs_tcp": ratio(f"{kv} get 1MiB x4", "tcp get 1MiB x4"),
-        "put_vs_tcp": ratio(f"{kv} put 1MiB x4", "tcp put 1MiB x4"),
-        "get_into_vs_tcp": ratio(f"{kv} get_into 1MiB x4", "tcp get 1MiB x4"),
-        "get_into_vs_redis": ratio(f"{kv} get_into 1MiB x4", "redis get 1MiB x4"),
-        "socket_path_get_vs_redis": ratio("kvtier-socket get 1MiB x4", "redis get 1MiB x4"),
-        "socket_path_put_vs_redis": ratio("kvtier-socket put 1MiB x4", "redis put 1MiB x4"),
-        "socket_path_get_vs_tcp": ratio("kvtier-socket get 1MiB x4", "tcp get 1MiB x4"),
-        "socket_path_put_vs_tcp": ratio("kvtier-socket put 1MiB x4", "tcp put 1MiB x4"),
-        "get_vs_redis_tuned": ratio(f"{kv} get 1MiB x4", "redis-tuned get 1MiB x4"),
-        "put_vs_redis_tuned": ratio(f"{kv} put 1MiB x4", "redis-tuned put 1MiB x4"),
-        "grpc_path_get_vs_redis": ratio("kvtier-grpc get 1MiB x4", "redis get 1MiB x4"),
-        "grpc_path_put_vs_redis": ratio("kvtier-grpc put 1MiB x4", "redis put 1MiB x4"),
+    at = " 1MiB x4"
+    pairs = {  # key -> (numerator, denominator), all at 1 MiB x 4 clients
+        # headline, like for like: bytes over the socket against the best Python socket server
+        # and against redis-py with kvtier's non-copying packer; shm against an inter-process memcpy
+        "socket_get_vs_tcp": ("kvtier-socket get", "tcp get"),
+        "socket_put_vs_tcp": ("kvtier-socket put", "tcp put"),
+        "socket_get_vs_redis_tuned": ("kvtier-socket get", "redis-tuned get"),
+        "socket_put_vs_redis_tuned": ("kvtier-socket put", "redis-tuned put"),
+        "shm_get_vs_memcpy": ("kvtier-shm get", "memcpy get"),
+        "shm_put_vs_memcpy": ("kvtier-shm put", "memcpy put"),
+        # the rest, each named by the path it measures
+        "socket_get_into_vs_tcp": ("kvtier-socket get_into", "tcp get"),
+        "shm_get_into_vs_memcpy": ("kvtier-shm get_into", "memcpy get"),
+        "socket_get_vs_redis": ("kvtier-socket get", "redis get"),
+        "socket_put_vs_redis": ("kvtier-socket put", "redis put"),
+        # what the old headline keys (get_vs_redis, ...) measured: the shm path, whose bytes
+        # never cross a socket, against systems whose bytes do
+        "shm_get_vs_redis": ("kvtier-shm get", "redis get"),
+        "shm_put_vs_redis": ("kvtier-shm put", "redis put"),
+        "shm_get_vs_tcp": ("kvtier-shm get", "tcp get"),
+        "shm_put_vs_tcp": ("kvtier-shm put", "tcp put"),
+        # the old baseline (single-threaded asyncio) against the new one, and the old headline
+        # get_vs_tcp / put_vs_tcp exactly as they were computed
+        "tcp_asyncio_get_vs_tcp": ("tcp-asyncio get", "tcp get"),
+        "tcp_asyncio_put_vs_tcp": ("tcp-asyncio put", "tcp put"),
+        "shm_get_vs_tcp_asyncio": ("kvtier-shm get", "tcp-asyncio get"),
+        "shm_put_vs_tcp_asyncio": ("kvtier-shm put", "tcp-asyncio put"),
+        "socket_get_vs_tcp_asyncio": ("kvtier-socket get", "tcp-asyncio get"),
+        "socket_put_vs_tcp_asyncio": ("kvtier-socket put", "tcp-asyncio put"),
+        "grpc_get_vs_redis_tuned": ("kvtier-grpc get", "redis-tuned get"),
+        "grpc_put_vs_redis_tuned": ("kvtier-grpc put", "redis-tuned put"),
+        "redis_tuned_get_vs_tcp": ("redis-tuned get", "tcp get"),
+        "redis_tuned_put_vs_tcp": ("redis-tuned put", "tcp put"),
+    }
+    out: dict[str, Any] = {key: ratio(a + at, b + at) for key, (a, b) in pairs.items()}
+    out.update({
         "default_data_path": default_path, "quick": args.quick, "reps": reps, "window_s": seconds,
         "gbps": {k: {"min": Stats.of(v).min, "median": Stats.of(v).median, "max": Stats.of(v).max}
                  for k, v in results.items()},
-    }
+    })
     print("ratios (medians, 1 MiB x 4 clients): " + ", ".join(
-        f"{k} {v:.2f}" for k, v in out.items() if k.endswith(("redis", "tcp", "tuned")) and v is not None))
-    from remote_redis import run_redis_bench  # the redis tier vs raw redis-py (issue 3's keys)
+        f"{k} {v:.2f}" for k, v in out.items() if k in pairs and v is not None))
+    if not args.no_redis_tier:
+        from remote_redis import run_redis_bench  # the redis tier vs raw redis-py
 
-    out.update(run_redis_bench(quick=args.quick))
+        out.update(run_redis_bench(quick=args.quick))
     print(json.dumps(out))
 
 

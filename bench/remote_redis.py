@@ -6,11 +6,13 @@ Starts its own redis-server (free loopback port, no persistence) and a 3-master 
 then, for each, measures put and get of 1 MiB values, 4 concurrent clients, 8 values per round
 trip: raw redis-py (``mset``/``mget`` on one node, ``mset_nonatomic``/``mget_nonatomic`` on the
 cluster: pipelined, split per slot by redis-py, default client settings) against the redis tier
-(``put``/``get``, plus ``get_into`` into preallocated buffers). A second baseline, "raw_tuned",
-is plain redis-py with the two connection settings the tier uses (the Python command packer,
-which sends MiB values without copying them, and 1 MiB socket reads): tier / raw_tuned is the
-cost of the tier's own layers, tier / raw what a user gains or loses against redis-py as
-shipped. Each figure is repeated
+(``put``/``get``, plus ``get_into`` into preallocated buffers). The headline baseline,
+"raw_tuned", is plain redis-py with the two connection settings the tier uses (the Python
+command packer, which sends MiB values without copying them, and 1 MiB socket reads): tier /
+raw_tuned (``*_vs_raw_tuned``) is the cost of the tier's own layers, like for like. tier / raw
+(``*_vs_raw_default_packer``) is what a user sees against redis-py as shipped, whose hiredis
+packer copies a whole MSET into one buffer: its put ratio (~5) measures that packer, not the
+tier. Each figure is repeated
 (>= 3 reps, raw and tier interleaved, order alternating per rep) and printed as
 min/median/max GB/s; ratios are tier median / raw median. The last line is one JSON object.
 
@@ -205,27 +207,34 @@ def _summarise(label: str, res: dict[str, list[float]]) -> dict[str, float]:
     for name, values in res.items():
         print(f"  {label:7s} {name:14s} {fmt(values, 'GB/s')}")
     out = {
-        "get_vs_raw": median(res["tier_get"]) / median(res["raw_get"]),
-        "put_vs_raw": median(res["tier_put"]) / median(res["raw_put"]),
-        "get_into_vs_raw": median(res["tier_get_into"]) / median(res["raw_get"]),
+        # headline: the tier against redis-py with the same (non-copying) packer
         "get_vs_raw_tuned": median(res["tier_get"]) / median(res["raw_tuned_get"]),
         "put_vs_raw_tuned": median(res["tier_put"]) / median(res["raw_tuned_put"]),
+        "get_into_vs_raw_tuned": median(res["tier_get_into"]) / median(res["raw_tuned_get"]),
+        # against redis-py as shipped, whose hiredis packer copies a whole MSET: the put
+        # ratio is that packer's cost, not the tier's merit
+        "get_vs_raw_default_packer": median(res["tier_get"]) / median(res["raw_get"]),
+        "put_vs_raw_default_packer": median(res["tier_put"]) / median(res["raw_put"]),
+        "get_into_vs_raw_default_packer": median(res["tier_get_into"]) / median(res["raw_get"]),
     }
     for name, values in res.items():
         out[f"{name}_gbps"] = median(values)
-    print(f"  {label:7s} tier/raw: get {out['get_vs_raw']:.3f}  put {out['put_vs_raw']:.3f}  "
-          f"get_into {out['get_into_vs_raw']:.3f};  tier/raw_tuned: get "
-          f"{out['get_vs_raw_tuned']:.3f}  put {out['put_vs_raw_tuned']:.3f}  (medians)")
+    print(f"  {label:7s} tier/raw_tuned: get {out['get_vs_raw_tuned']:.3f}  put "
+          f"{out['put_vs_raw_tuned']:.3f}  get_into {out['get_into_vs_raw_tuned']:.3f};  "
+          f"tier/raw (default packer): get {out['get_vs_raw_default_packer']:.3f}  put "
+          f"{out['put_vs_raw_default_packer']:.3f}  (medians)")
     return out
 
 
 def run_redis_bench(quick: bool = False, reps: int | None = None) -> dict[str, Any]:
     """Run both deployments; return the flat dict of figures for a JSON line.
 
-    Keys: ``redis_tier_get_vs_raw`` / ``redis_tier_put_vs_raw`` (single node, 1 MiB values,
-    4 clients), ``..._vs_raw_tuned``, ``redis_raw[_tuned]_{get,put}_gbps``,
-    ``redis_tier_{get,put,get_into}_gbps``, the same
-    with ``redis_cluster_`` in front for the 3-master cluster, and the workload shape."""
+    Keys (single node, 1 MiB values, 4 clients): the headline
+    ``redis_tier_{get,put,get_into}_vs_raw_tuned`` (tier / redis-py with the tier's packer),
+    ``redis_tier_{get,put,get_into}_vs_raw_default_packer`` (tier / redis-py as shipped; were
+    ``redis_tier_*_vs_raw``), ``redis_raw[_tuned]_{get,put}_gbps``,
+    ``redis_tier_{get,put,get_into}_gbps``; the same with ``redis_cluster_`` in front for the
+    3-master cluster, and the workload shape."""
     if not have_redis():
         return {"redis_skipped": "redis-server/redis-cli not installed"}
     reps = max(3, reps if reps is not None else (5 if quick else 7))
@@ -243,18 +252,8 @@ def run_redis_bench(quick: bool = False, reps: int | None = None) -> dict[str, A
             res = _summarise("single", case.run(reps, rounds))
         finally:
             case.close()
-        out.update({"redis_tier_get_vs_raw": res["get_vs_raw"],
-                    "redis_tier_put_vs_raw": res["put_vs_raw"],
-                    "redis_tier_get_into_vs_raw": res["get_into_vs_raw"],
-                    "redis_tier_get_vs_raw_tuned": res["get_vs_raw_tuned"],
-                    "redis_tier_put_vs_raw_tuned": res["put_vs_raw_tuned"],
-                    "redis_raw_tuned_get_gbps": res["raw_tuned_get_gbps"],
-                    "redis_raw_tuned_put_gbps": res["raw_tuned_put_gbps"],
-                    "redis_raw_get_gbps": res["raw_get_gbps"],
-                    "redis_raw_put_gbps": res["raw_put_gbps"],
-                    "redis_tier_get_gbps": res["tier_get_gbps"],
-                    "redis_tier_put_gbps": res["tier_put_gbps"],
-                    "redis_tier_get_into_gbps": res["tier_get_into_gbps"]})
+        out.update({f"redis_tier_{k}": v for k, v in res.items() if "_vs_" in k})
+        out.update({f"redis_{k}": v for k, v in res.items() if k.endswith("_gbps")})
         single.cleanup()
         cluster = RedisClusterServers().start()
         first = cluster.nodes[0]

@@ -6,11 +6,12 @@ Limits, each with the access pattern of the tier op it is compared with: numpy c
 chunks into (and out of) a pre-touched arena, and O_DIRECT sequential writes/reads of
 chunk-sized blocks to one file in the disk tier's directory (into already-allocated blocks:
 the steady state of a full tier, which reuses its victims' files; the allocating figure is
-printed too, next to puts into an empty tier). Tiers, on chunks of a realistic shape: cpu
+printed too, next to puts into an empty tier in a fresh directory, repeated like the rest). Tiers, on chunks of a realistic shape: cpu
 put / get_into; disk put of encode_chunk's output (page-aligned since chunk.py allocates it
 so; full tier, every put evicts), put from staged page-aligned copies, get_into into page-aligned buffers (as pinned staging buffers are) and into
 unaligned ones; and the lookup latency of a 131,072-token prompt (its 512 chunk keys plus a
-probe of cpu and disk tiers holding all of them).
+probe of cpu and disk tiers holding all of them: ``lookup_128k_ms`` stops at the cpu tier,
+``lookup_128k_disk_ms`` misses in an empty cpu tier and probes the disk index for all 512).
 
 Method: memory ops are paired op by op (baseline and tier alternate which goes first) on
 separate copies of the same bytes, so neither finds the other's data in cache; disk ops run
@@ -93,39 +94,61 @@ def workdir(parent: str | None) -> Iterator[Path]:
 
 
 def lookup_latency(root: Path, reps: int) -> dict[str, float]:
-    """keys + probe of a 128k-token prompt, every chunk present in the cpu and disk tiers.
-    The tiers hold small chunks here: a probe never touches chunk bytes, only the index."""
+    """keys + probe of a 128k-token prompt, every chunk present in the cpu and disk tiers
+    (``lookup_128k_ms``: the cpu tier answers for every key, so the disk index is never
+    probed) and, interleaved with it, the same prompt through a store whose cpu tier holds
+    none of them (``lookup_128k_disk_ms``: the cpu probe misses at once and the disk index
+    answers for all 512 keys). The tiers hold small chunks here: a probe never touches chunk
+    bytes, only the index."""
     tokens = np.random.default_rng(7).integers(0, 128_000, PROMPT_TOKENS, dtype=np.uint32)
     keys = chunk_keys(NAMESPACE, tokens, SHAPE[2])
     cpu = CpuTier(CpuTierConfig(capacity_bytes=len(keys) * 4096, slot_bytes=4096))
+    cold_cpu = CpuTier(CpuTierConfig(capacity_bytes=len(keys) * 4096, slot_bytes=4096))
     disk = DiskTier(DiskTierConfig(path=str(root / "lookup"), capacity_bytes=len(keys) * 4096 * 2))
     tiny = [Entry(k, encode_chunk(NAMESPACE, k, "float16", (1, 2, 1, 1, 64), bytes(256)), depth=i)
             for i, k in enumerate(keys)]
     assert all(cpu.put(tiny)) and all(disk.put(tiny))
     store = _store([cpu, disk])
-    keys_ms, probe_ms, both_ms, total_ms = [], [], [], []
-    for _ in range(max(reps, 20)):
+    disk_store = _store([cold_cpu, disk])
+    keys_ms, probe_ms, both_ms, total_ms, disk_probe_ms, disk_total_ms = [], [], [], [], [], []
+    for i in range(max(reps, 20)):
         t_keys = timed(lambda: chunk_keys(NAMESPACE, tokens, SHAPE[2]))
         t_both = timed(lambda: (cpu.contains(keys), disk.contains(keys)))
-        t_probe = timed(lambda: store.lookup(keys)) if store is not None else t_both
+        if i % 2:  # alternate which store goes first
+            t_disk = timed(lambda: disk_store.lookup(keys)) if disk_store is not None else \
+                timed(lambda: (cold_cpu.contains(keys), disk.contains(keys)))
+            t_probe = timed(lambda: store.lookup(keys)) if store is not None else t_both
+        else:
+            t_probe = timed(lambda: store.lookup(keys)) if store is not None else t_both
+            t_disk = timed(lambda: disk_store.lookup(keys)) if disk_store is not None else \
+                timed(lambda: (cold_cpu.contains(keys), disk.contains(keys)))
         keys_ms.append(t_keys * 1e3)
         probe_ms.append(t_probe * 1e3)
         both_ms.append(t_both * 1e3)
         total_ms.append((t_keys + t_probe) * 1e3)
-    assert cpu.contains(keys) == disk.contains(keys) == len(keys)
-    if store is not None:
+        disk_probe_ms.append(t_disk * 1e3)
+        disk_total_ms.append((t_keys + t_disk) * 1e3)
+    assert cpu.contains(keys) == disk.contains(keys) == len(keys) and cold_cpu.contains(keys) == 0
+    if store is not None and disk_store is not None:
         assert store.lookup(keys).hits == len(keys)
+        found = disk_store.lookup(keys)  # every hit is the disk tier's: its index was probed
+        assert found.runs == ((disk.name, len(keys)),), found
         store.close()
+        disk_store.close()
     say(f"lookup of a {PROMPT_TOKENS}-token prompt ({len(keys)} chunk keys); probe via "
         f"{'TieredStore.lookup' if store is not None else 'cpu.contains + disk.contains'}")
     say(f"  keys                     {fmt(keys_ms, 'ms', 3)}")
-    say(f"  probe                    {fmt(probe_ms, 'ms', 3)}")
+    say(f"  probe (cpu holds all)    {fmt(probe_ms, 'ms', 3)}")
+    say(f"  probe (cpu misses, disk) {fmt(disk_probe_ms, 'ms', 3)}")
     say(f"  cpu + disk full probes   {fmt(both_ms, 'ms', 3)}")
     say(f"  lookup = keys + probe    {fmt(total_ms, 'ms', 3)}")
+    say(f"  lookup, from disk        {fmt(disk_total_ms, 'ms', 3)}")
     cpu.close()
+    cold_cpu.close()
     disk.close()
     return {"keys_ms": median(keys_ms), "probe_ms": median(probe_ms),
-            "probe_cpu_disk_ms": median(both_ms), "lookup_128k_ms": median(total_ms)}
+            "probe_cpu_disk_ms": median(both_ms), "lookup_128k_ms": median(total_ms),
+            "probe_disk_ms": median(disk_probe_ms), "lookup_128k_disk_ms": median(disk_total_ms)}
 
 
 def _store(tiers: list[Any]) -> Any:
@@ -196,14 +219,28 @@ def main() -> None:
         disk = DiskTier(DiskTierConfig(path=str(root / "disk"), capacity_bytes=n * padded, policy="lru"))
         say(f"disk tier at {disk.root}: {'O_DIRECT' if disk.direct else 'buffered I/O (O_DIRECT refused)'}")
         base = str(root / "direct.dat")
-        # Pass 0 fills the tiers: the cold disk figure, next to allocating writes of a new file.
-        t: dict[str, float] = collections.defaultdict(float)
+        # Cold writes: an empty tier in a fresh directory next to allocating writes of a new
+        # file there, repeated, the order alternating; the directory goes after each sample.
+        for rep in range(reps):
+            cold = root / f"cold{rep}"
+            cold_disk = DiskTier(DiskTierConfig(path=str(cold / "disk"), capacity_bytes=n * padded,
+                                                policy="lru"))
+            t: dict[str, float] = collections.defaultdict(float)
+            fd = os.open(cold / "direct.dat", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
+            put_ok = passes(t, rep, ("dw_alloc", os.pwrite, [(fd, outs_a[i][:padded], i * padded) for i in range(n)]),
+                            ("disk_put_cold", cold_disk.put, [([Entry(k, c)],) for k, c in zip(keys0, chunks0)]))
+            os.close(fd)
+            assert all(ok for res in put_ok for ok in res), "a cold put failed"
+            cold_disk.close()
+            shutil.rmtree(cold)
+            record(t)
+        # Fill the tiers the steady-state passes evict from (untimed).
         fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
-        passes(t, 0, ("dw_alloc", os.pwrite, [(fd, outs_a[i][:padded], i * padded) for i in range(n)]),
-               ("disk_put_cold", disk.put, [([Entry(k, c)],) for k, c in zip(keys0, chunks0)]))
+        for i in range(n):
+            os.pwrite(fd, outs_a[i][:padded], i * padded)
         os.close(fd)
+        assert all(disk.put([Entry(k, c) for k, c in zip(keys0, chunks0)]))
         cpu.put([Entry(k, c) for k, c in zip(keys0, chunks0)])
-        record(t)
         wfd, rfd = os.open(base, os.O_WRONLY | O_DIRECT), os.open(base, os.O_RDONLY | O_DIRECT)
         for rep in range(1, reps + 1):
             keys, chunks = make_chunks(n, rep)  # new keys: every put into the full tiers evicts

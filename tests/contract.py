@@ -22,8 +22,18 @@ Class attributes let a tier opt out of what its medium cannot promise:
 
 - ``reports_evicted`` (True): a tier that cannot tell an evicted key from one never written
   (a remote store evicting on its own) sets False; misses may then say ``absent``.
-- ``enforces_capacity`` (True): a tier whose bound lives elsewhere (a Redis ``maxmemory``)
-  sets False; the capacity tests then only check that puts never raise.
+- ``enforces_capacity`` (True): False only for a tier whose bound cannot be set small by its
+  fixture; the capacity tests then only check that puts never raise. A remote tier keeps it:
+  its fixture sets the bound in the other process (a Redis ``maxmemory`` with
+  ``allkeys-lru``, a kvtier-server tenant quota) and sets ``capacity`` to what ``usage()``
+  reports, so the checks observe the bound and the eviction through the client.
+- ``exact_eviction`` (True): a tier whose eviction samples its victims (Redis' approximate
+  LRU, whose clock ticks once a second, may pick a chunk written a moment ago) sets False;
+  a just-written chunk must then be readable on at least 90% of puts instead of all.
+- ``overfill`` (8): the capacity test writes ``overfill`` x capacity (the eviction test half
+  that, at least 1x); a remote tier, where each put is a round trip, may lower it as long as
+  the puts still exceed what the medium holds (a Redis' ``maxmemory`` counts its own ~1-2
+  MiB, so 1x of it already overflows).
 - ``exact_usage`` (True): a tier whose ``used_bytes`` is the medium's own figure (Redis'
   ``used_memory_dataset`` moves by KiBs with client buffers) sets False; byte-accounting
   checks are then skipped.
@@ -73,6 +83,8 @@ class TierContract:
     reports_evicted = True
     enforces_capacity = True
     exact_usage = True
+    exact_eviction = True
+    overfill = 8
     capacity = 64 * 1024  # room for a couple dozen test chunks
 
     # --- basic verbs ----------------------------------------------------------------------
@@ -192,15 +204,21 @@ class TierContract:
     def test_capacity_bound_under_many_puts(self, make_tier: Factory) -> None:
         tier = make_tier(self.capacity)
         rng = random.Random(1)
-        keys = [key_of(f"cap{i}") for i in range(8 * self.capacity // CHUNK)]
+        keys = [key_of(f"cap{i}") for i in range(self.overfill * self.capacity // CHUNK)]
         chunks = [chunk_for(k, tokens=rng.choice((4, 8, 16, 24))) for k in keys]
+        fresh_misses: list[object] = []
         for i, (key, chunk) in enumerate(zip(keys, chunks)):
             ok = tier.put([Entry(key, chunk, depth=i)])
             assert ok == [True]  # a full tier evicts, it never refuses a chunk that fits
-            assert tier.get([key]) == [chunk]  # what was just written is readable
+            (got,) = tier.get([key])  # what was just written is readable
+            if self.exact_eviction or not isinstance(got, Miss):
+                assert got == chunk
+            else:
+                fresh_misses.append(got)
             if self.enforces_capacity:
                 usage = tier.usage()
                 assert usage.used_bytes <= usage.capacity_bytes <= self.capacity
+        assert len(fresh_misses) <= len(keys) // 10, f"{len(fresh_misses)} just-written chunks missed"
         hits = [(v, c) for v, c in zip(tier.get(keys), chunks) if not isinstance(v, Miss)]
         assert all(v == c for v, c in hits)
         if self.enforces_capacity:
@@ -212,7 +230,7 @@ class TierContract:
             pytest.skip("this tier's bound lives in another process")
         tier = make_tier(self.capacity)
         key = key_of("huge")
-        huge = chunk_for(key, tokens=16 * (self.capacity // CHUNK + 2))
+        huge = chunk_for(key, tokens=self.capacity // 128 + 16)  # 128 payload bytes a token
         assert len(huge) > self.capacity
         assert tier.put([Entry(key, huge)]) == [False]
         assert tier.get([key]) == [Miss(ABSENT)]
@@ -222,13 +240,13 @@ class TierContract:
 
     def test_eviction_is_labelled(self, make_tier: Factory) -> None:
         tier = make_tier(self.capacity)
-        keys = [key_of(f"ev{i}") for i in range(4 * self.capacity // CHUNK)]
+        keys = [key_of(f"ev{i}") for i in range(max(1, self.overfill // 2) * self.capacity // CHUNK)]
         for key in keys:
             assert tier.put([Entry(key, chunk_for(key))]) == [True]
         results = tier.get(keys)
         misses = [r for r in results if isinstance(r, Miss)]
         if self.enforces_capacity:
-            assert misses, "4x capacity of puts must evict something"
+            assert misses, "puts past the capacity must evict something"
         allowed = {EVICTED} if self.reports_evicted else {EVICTED, ABSENT}
         assert {m.reason for m in misses} <= allowed
         for key, value in zip(keys, results):

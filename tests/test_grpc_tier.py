@@ -23,6 +23,7 @@ from tests.contract import TierContract
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
 TENANTS = 64
+CONTRACT_QUOTA = 1 << 20  # the server's smallest tier (MIN_TIER_BYTES): 256 slots of 4 KiB
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,9 @@ def contract_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     """One server; each contract tier gets a fresh tenant (an empty namespace of its own)."""
     work = tmp_path_factory.mktemp("contract")
     tokens = [f"contract-token-{i:04d}-{os.urandom(8).hex()}" for i in range(TENANTS)]
-    (work / "tokens").write_text("".join(f"{t} tenant{i}\n" for i, t in enumerate(tokens)))
+    # Each tenant's quota is the contract's capacity: its checks see the bound through usage()
+    # and the server's evictions as misses.
+    (work / "tokens").write_text("".join(f"{t} tenant{i} {CONTRACT_QUOTA}\n" for i, t in enumerate(tokens)))
     (work / "tokens").chmod(0o600)
     s = start_server(work, "--tokens-file", str(work / "tokens"), "--slot-bytes", "4096",
                      "--cpu-bytes", str(TENANTS * (2 << 20)))
@@ -60,7 +63,8 @@ _USED: Counter[str] = Counter()  # tenants handed out, shared by both contract c
 
 
 class TestGrpcTierShmPath(TierContract):
-    enforces_capacity = False  # the bound is the server's (tested in test_server_auth quota tests)
+    capacity = CONTRACT_QUOTA  # the tenant's quota, which usage() reports
+    overfill = 2  # a round trip a put: 2x (eviction: 1x) of 2 KiB chunks overflows 256 slots
 
     @pytest.fixture
     def make_tier(self, contract_server: tuple[ServerProc, list[str]]) -> Iterator[Callable[[int], Any]]:
@@ -68,7 +72,8 @@ class TestGrpcTierShmPath(TierContract):
 
 
 class TestGrpcTierSocketPath(TierContract):
-    enforces_capacity = False
+    capacity = CONTRACT_QUOTA
+    overfill = 2
 
     @pytest.fixture
     def make_tier(self, contract_server: tuple[ServerProc, list[str]]) -> Iterator[Callable[[int], Any]]:
@@ -76,7 +81,8 @@ class TestGrpcTierSocketPath(TierContract):
 
 
 class TestGrpcTierGrpcPath(TierContract):
-    enforces_capacity = False
+    capacity = CONTRACT_QUOTA
+    overfill = 2
 
     @pytest.fixture
     def make_tier(self, contract_server: tuple[ServerProc, list[str]]) -> Iterator[Callable[[int], Any]]:

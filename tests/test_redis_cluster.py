@@ -38,17 +38,34 @@ def cluster() -> Iterator[RedisClusterServers]:
     c.cleanup()
 
 
+CONTRACT_MAXMEMORY = 3 << 20  # per master: ~1.2 MiB of chunks above an empty node's ~1.8 MiB
+
+
+@pytest.fixture(scope="module")
+def contract_cluster() -> Iterator[RedisClusterServers]:
+    """The contract's own cluster: every master bounded and evicting like a cache, so the
+    contract's capacity and eviction checks run (observed through the tier)."""
+    c = RedisClusterServers(args=("--maxmemory", str(CONTRACT_MAXMEMORY),
+                                  "--maxmemory-policy", "allkeys-lru")).start()
+    yield c
+    c.cleanup()
+
+
 class TestRedisClusterContract(TierContract):
     reports_evicted = False
-    enforces_capacity = False
     exact_usage = False
+    exact_eviction = False  # approximate LRU may pick a chunk written this second
+    capacity = 3 * CONTRACT_MAXMEMORY  # usage() sums maxmemory over the 3 masters
+    overfill = 1  # 9 MiB of chunks against ~3.6 MiB of room: evicts, in half the round trips
 
     @pytest.fixture
-    def make_tier(self, cluster: RedisClusterServers,
+    def make_tier(self, contract_cluster: RedisClusterServers,
                   tiers: Callable[..., RedisTier]) -> Callable[[int], RedisTier]:
         def factory(capacity_bytes: int) -> RedisTier:
-            cluster.flushall()
-            return tiers(cluster.url)
+            assert capacity_bytes == 3 * CONTRACT_MAXMEMORY
+            contract_cluster.flushall()
+            # refused before sending: a value one master cannot hold never reaches it
+            return tiers(contract_cluster.url, max_value_bytes=CONTRACT_MAXMEMORY // 4)
         return factory
 
 

@@ -44,17 +44,36 @@ def server() -> Iterator[RedisServer]:
     s.cleanup()
 
 
+CONTRACT_MAXMEMORY = 2 << 20  # ~1 MiB of chunks above an empty Redis' own ~0.95 MiB
+
+
+@pytest.fixture(scope="module")
+def contract_redis() -> Iterator[RedisServer]:
+    """The contract's own Redis: bounded and evicting like a cache, so the contract's capacity
+    and eviction checks run (observed through the tier: usage() and misses)."""
+    s = RedisServer(args=("--maxmemory", str(CONTRACT_MAXMEMORY),
+                          "--maxmemory-policy", "allkeys-lru")).start()
+    yield s
+    s.cleanup()
+
+
 class TestRedisContract(TierContract):
     reports_evicted = False   # Redis evicts on its own; a miss says "absent"
-    enforces_capacity = False  # the bound is Redis' maxmemory
     exact_usage = False  # used_bytes is Redis' own memory figure
+    exact_eviction = False  # approximate LRU may pick a chunk written this second
+    capacity = CONTRACT_MAXMEMORY  # usage().capacity_bytes is maxmemory
+    overfill = 4
 
     @pytest.fixture
-    def make_tier(self, server: RedisServer,
+    def make_tier(self, contract_redis: RedisServer,
                   tiers: Callable[..., RedisTier]) -> Callable[[int], RedisTier]:
         def factory(capacity_bytes: int) -> RedisTier:
-            server.client().flushdb()
-            return tiers(server.url)
+            assert capacity_bytes == CONTRACT_MAXMEMORY
+            contract_redis.client().flushdb()
+            # A chunk that could not fit under maxmemory is refused before it is sent, as
+            # docs/redis.md advises (sent, it would fail with OOM and its query buffer would
+            # hold the memory until Redis' cron shrinks it).
+            return tiers(contract_redis.url, max_value_bytes=CONTRACT_MAXMEMORY // 4)
         return factory
 
 
