@@ -81,7 +81,7 @@ class _Node:
     """One tracked key. ``seq`` names its live heap entry (-1: not a candidate) and ``queued``
     the rank that entry carries; ``rank`` may have grown since (see ``AdaptivePolicy._top``)."""
 
-    __slots__ = ("count", "first", "kind", "last", "parent", "queued", "rank", "seq")
+    __slots__ = ("count", "first", "kind", "last", "parent", "queued", "rank", "score", "seq")
 
     def __init__(self, parent: bytes, first: int, last: int, count: int, kind: int) -> None:
         self.parent = parent
@@ -92,6 +92,7 @@ class _Node:
         self.rank = 0.0
         self.queued = 0.0
         self.seq = -1
+        self.score = 0
 
 
 class AdaptivePolicy:
@@ -102,11 +103,12 @@ class AdaptivePolicy:
     def __init__(self, *, beta: float = DEFAULT_BETA, step_div: float = DEFAULT_STEP_DIV,
                  fresh_step_div: float = DEFAULT_FRESH_STEP_DIV,
                  ghost_factor: float = DEFAULT_GHOST_FACTOR,
-                 ghost_max: int = DEFAULT_GHOST_MAX) -> None:
+                 ghost_max: int = DEFAULT_GHOST_MAX, score_cap: int = 8) -> None:
         if beta < 0 or min(step_div, fresh_step_div) <= 0 or ghost_factor < 0 or ghost_max < 0:
             raise ValueError("AdaptivePolicy: beta, ghost_factor, ghost_max must be >= 0, "
                              "step_div and fresh_step_div > 0")
         self._beta = beta
+        self._score_cap = score_cap
         self._step_div = step_div
         self._fresh_step_div = fresh_step_div
         self._recent = [0.0, 0.0, 0.0]  # evictions per set among about the last len ones
@@ -214,7 +216,7 @@ class AdaptivePolicy:
         past = self._ghost.pop(key, None)
         if past is None:
             pn = self._nodes.get(parent) if parent else None
-            kind = _CONT if pn is not None and pn.kind != _FRESH else _FRESH
+            kind = _CONT if pn is not None and pn.kind != _FRESH and pn.score >= 0 else _FRESH
             node = _Node(parent, self._clock, self._clock, 1, kind)
         else:
             node = _Node(parent, past[0], self._clock, past[1] + 1, _T2)
@@ -237,6 +239,9 @@ class AdaptivePolicy:
         node.count += 1
         moved = node.kind != _T2  # once-seen -> T2: its old entry goes stale, it needs a new one
         if moved:
+            pn = self._nodes.get(node.parent) if node.parent else None
+            if pn is not None and pn.score < self._score_cap:
+                pn.score += 1
             self._n[node.kind] -= 1
             self._n[_T2] += 1
             node.kind = _T2
@@ -289,6 +294,10 @@ class AdaptivePolicy:
                 return self._evict_without_leaf()
         key = heapq.heappop(heaps[origin])[2]
         node = self._nodes.pop(key)
+        if origin != _T2 and node.parent:
+            pn = self._nodes.get(node.parent)
+            if pn is not None and pn.score > -self._score_cap:
+                pn.score -= 1
         self._count_eviction(origin)
         self._forget(key, node, origin)
         return key
