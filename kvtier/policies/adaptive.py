@@ -122,7 +122,7 @@ class AdaptivePolicy:
         # One candidate heap per set: (rank, seq, key); stale entries are skipped lazily.
         self._heaps: list[list[tuple[float, int, bytes]]] = [[], [], []]
         # key -> (first use, uses, set it left or _REMOVED, eviction number when it left)
-        self._ghost: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()
+        self._ghost: OrderedDict[bytes, tuple[int, int, int, int, int]] = OrderedDict()
         self._n = [0, 0, 0]  # tracked keys per set (pinned and interior ones included)
         self._p = 0.0  # target size of the continuation set
         self._q = 0.0  # target size of the fresh set
@@ -220,6 +220,7 @@ class AdaptivePolicy:
             node = _Node(parent, self._clock, self._clock, 1, kind)
         else:
             node = _Node(parent, past[0], self._clock, past[1] + 1, _T2)
+            node.score = past[4]
             self._adapt(past[2], past[3])
         node.rank = self._rank(node)
         self._nodes[key] = node
@@ -267,7 +268,7 @@ class AdaptivePolicy:
             self._child_gone(node.parent)
         ghost = self._ghost
         ghost[key] = (node.first, node.count, node.kind if origin != _REMOVED else _REMOVED,
-                      self._evictions)
+                      self._evictions, node.score)
         size = len(self._nodes)
         limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * size)))
         while len(ghost) > limit:
