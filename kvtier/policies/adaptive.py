@@ -81,7 +81,7 @@ class _Node:
     """One tracked key. ``seq`` names its live heap entry (-1: not a candidate) and ``queued``
     the rank that entry carries; ``rank`` may have grown since (see ``AdaptivePolicy._top``)."""
 
-    __slots__ = ("count", "first", "kind", "last", "parent", "queued", "rank", "score", "seq")
+    __slots__ = ("count", "first", "kind", "last", "parent", "queued", "rank", "score", "seq", "branched")
 
     def __init__(self, parent: bytes, first: int, last: int, count: int, kind: int) -> None:
         self.parent = parent
@@ -93,6 +93,7 @@ class _Node:
         self.queued = 0.0
         self.seq = -1
         self.score = 0
+        self.branched = False
 
 
 class AdaptivePolicy:
@@ -216,7 +217,10 @@ class AdaptivePolicy:
         past = self._ghost.pop(key, None)
         if past is None:
             pn = self._nodes.get(parent) if parent else None
-            kind = _CONT if pn is not None and pn.kind != _FRESH and pn.score >= 0 else _FRESH
+            kind = (_CONT if pn is not None and pn.kind != _FRESH
+                    and (pn.score > 0 or (pn.score == 0 and not pn.branched)) else _FRESH)
+            if pn is not None:
+                pn.branched = True
             node = _Node(parent, self._clock, self._clock, 1, kind)
         else:
             node = _Node(parent, past[0], self._clock, past[1] + 1, _T2)
