@@ -50,8 +50,9 @@ room to give once-seen keys. Keys live in three sets:
    ``q``); a never-branched leaf (a chat turn extending the previous turn) keeps the plain rule.
    Why: in the generated ``mix`` at 10% capacity most continuation keys were RAG questions and
    long-tail documents (7% of them ever came back) crowding out chat turns (56% came back),
-   because both shared ``p``; the prediction took the mix from 1.02x to 1.05x LRU (seeds
-   0-2), the RAG and chat classes both gaining. Frequency in the re-used rank (a log-count
+   because both shared ``p``; the prediction took the mix at 10% from 1.018/1.020/1.021x to
+   1.049/1.053/1.056x LRU (min/median/max, seeds 0-2; Belady 1.094-1.099x), the RAG and chat
+   classes both gaining, at a cost on the whole shared trace at 5% (1.073x -> 1.057x LRU). Frequency in the re-used rank (a log-count
    bonus), another ``beta`` and ghost sizes 2-32x did not help there (measured, not kept).
 
 Scan resistance: a scan is fresh keys that never return, so it raises no regret and leaves
