@@ -157,6 +157,27 @@ def test_regret_on_a_continuation_moves_p_only() -> None:
     assert [p.evict() for _ in range(4)] == [k(n) for n in ("f", "u", "t1", "sys")]
 
 
+def test_a_parent_whose_children_die_predicts_the_next_one_dead() -> None:
+    """Rule 5: once-seen children read again raise their parent's score, dying ones lower it;
+    a child under a negative score is fresh (goes first), under a positive one a continuation."""
+    p = AdaptivePolicy()
+    p.insert(k("sys"), 1)  # 1
+    p.access(k("sys"))  # 2: T2
+    p.insert(k("d"), 1, 1, k("sys"))  # 3: continuation (sys: score 0, never branched before)
+    p.insert(k("q1"), 1, 2, k("d"))  # 4: continuation (d: score 0, a leaf until now)
+    p.insert(k("f"), 1)  # 5: fresh (no parent)
+    # Fresh f first; then the continuations' only leaf, q1 (were q1 predicted dead it would be
+    # fresh and go before f). q1 died unread: d's score -1.
+    assert [p.evict(), p.evict()] == [k("f"), k("q1")]
+    p.access(k("sys"))  # 6
+    p.access(k("d"))  # 7: a once-seen child of sys read again: sys's score +1
+    p.insert(k("x"), 1, 1, k("sys"))  # 8: sys scores 1: continuation
+    p.insert(k("q2"), 1, 2, k("d"))  # 9: d scores -1: predicted dead, fresh
+    # q2 goes first although x is older: without rule 5 both are continuations and x (8) goes.
+    assert [p.evict() for _ in range(4)] == [k(n) for n in ("q2", "x", "d", "sys")]
+    assert (p.target, p.fresh_target) == (0.0, 0.0)  # no ghost came back: no adaptation
+
+
 def _recency_mode() -> AdaptivePolicy:
     """a, b, c re-used (T2), q = 1 after one regret on a once-seen fresh key; clock at 6."""
     p = AdaptivePolicy()

@@ -8,7 +8,8 @@ from, and each policy has a module of its own.
 Policies (hit ratios on the replayed Mooncake trace and generated workloads:
 ``python bench/replay.py --workload all``):
 - ``adaptive`` (default): prefix-aware, leaf-first, adapting ARC-style between
-  once-seen-first and recency (:mod:`kvtier.policies.adaptive`).
+  once-seen-first and recency, and predicting per parent whether a new child will be read
+  again (:mod:`kvtier.policies.adaptive`).
 - ``prefix``: prefix-aware, leaf-first, once-seen first, ranked by recency and mean reuse gap,
   with a ghost history (:mod:`kvtier.policies.prefix`); wins on the shared trace, loses to LRU
   on chat.
