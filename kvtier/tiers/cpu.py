@@ -18,6 +18,15 @@ Threads
     reader can find it) and goes back to the free list when its last reader leaves. So a reader
     never sees a slot reused under it, and one thread's copy never blocks another thread's
     lookups (the copy itself is a memcpy under the GIL).
+Lazy arena (``lazy=True``, kvtier-server)
+    For an owner that shares one RAM budget among several tiers: the arena is an anonymous
+    mapping that is *not* pre-touched (a slot's pages are faulted in by the first put into
+    it), and whenever a slot goes back on the free list its whole pages are returned to the OS
+    (``madvise(MADV_DONTNEED)``; a slot still being read is retired and keeps its pages until
+    its last reader leaves). So resident memory follows the chunks held (page-rounded), not
+    the capacity, and :meth:`shed` lets the owner shrink a tier below its capacity. The cost is
+    a page fault per page on a put into a fresh slot. Always pageable (never pinned). The
+    library's default (``lazy=False``) keeps the pre-touched arena.
 Failure
     No I/O can fail here; the only refusals are a chunk larger than a slot and a tier whose
     every chunk is pinned (both ``put`` -> False).
@@ -72,36 +81,46 @@ def _pinned_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview] | None
     return tensor, tensor.numpy().data
 
 
-def _allocate_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview, bool]:
+def _allocate_arena(nbytes: int, pin_memory: str, lazy: bool) -> tuple[Any, memoryview, bool]:
     """(owner, uint8 view, pinned). The pageable arena is an anonymous mapping: page-aligned,
-    so slots of page-multiple size can feed O_DIRECT writes without a bounce copy."""
-    pinned = _pinned_arena(nbytes, pin_memory)
+    so slots of page-multiple size can feed O_DIRECT writes without a bounce copy. A lazy
+    arena is a *private* mapping: MADV_DONTNEED frees private anonymous pages, whereas on the
+    shared mapping Python makes by default it would only unmap them (the memory would stay
+    allocated in the shmem object)."""
+    pinned = None if lazy else _pinned_arena(nbytes, pin_memory)
     if pinned is not None:
         return pinned[0], pinned[1], True
-    buf = mmap.mmap(-1, max(nbytes, 1))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if lazy else mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=flags)
     arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
     return (buf, arr), arr.data, False
 
 
 class CpuTier(BoundedTier):
-    """See the module docstring for the threading and ownership rules."""
+    """See the module docstring for the threading and ownership rules; ``lazy`` selects the
+    lazily backed arena (see "Lazy arena" there)."""
 
-    def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu") -> None:
+    def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu", *, lazy: bool = False) -> None:
         super().__init__()
         config = config or CpuTierConfig()
         if config.slot_bytes < 1 or config.capacity_bytes < config.slot_bytes:
             raise ValueError(
                 f"cpu tier needs capacity_bytes ({config.capacity_bytes}) >= slot_bytes "
                 f"({config.slot_bytes}) >= 1")
+        if lazy and config.pin_memory == "always":
+            raise ValueError("cpu tier: a lazy arena is pageable memory; pin_memory='always' cannot apply")
         self.name = name
         self.config = config
         self.slot_bytes = config.slot_bytes
         self.slots = config.capacity_bytes // config.slot_bytes
         self.capacity_bytes = self.slots * self.slot_bytes
         self.policy = make_policy(config.policy)
-        self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory)
-        # Pre-touch: one write per page so the first put does not take page faults.
-        np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory, lazy)
+        # The mapping whose free slots' pages go back to the OS (lazy arenas only).
+        self._mapping: mmap.mmap | None = self._owner[0] if lazy else None
+        if not lazy:
+            # Pre-touch: one write per page so the first put does not take page faults.
+            np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
         self._readers = [0] * self.slots
@@ -110,11 +129,29 @@ class CpuTier(BoundedTier):
         self._used = 0
 
     # --- slot bookkeeping (lock held) ---------------------------------------------------------
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, reuse: bool = False) -> None:
+        """An unmapped slot goes back to the free list, or is retired while it is read.
+        ``reuse``: the caller pops it at once, so a lazy arena keeps its pages."""
         if self._readers[slot]:
             self._retired.add(slot)
-        else:
+        elif reuse:
             self._free.append(slot)
+        else:
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """Free ``slot``; a lazy arena first returns the pages wholly inside it to the OS (a
+        page shared with a neighbouring slot may hold that slot's live bytes, so it stays).
+        Under the lock, before the slot is on the free list: no put can be copying into it and
+        no reader holds it, so zero-filled pages are never seen by anyone."""
+        mapping = self._mapping
+        if mapping is not None:
+            off = slot * self.slot_bytes
+            start = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (off + self.slot_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._free.append(slot)
 
     def _unmap(self, key: bytes) -> bool:
         old = self._map.pop(key, None)
@@ -125,19 +162,25 @@ class CpuTier(BoundedTier):
         self._release(old[0])
         return True
 
+    def _evict_one(self, evicted: list[tuple[bytes, bytes]], want_data: bool, reuse: bool) -> int | None:
+        """Evict the policy's next victim; its length, or None when nothing is evictable."""
+        try:
+            victim = self._pick_victim()
+        except NothingToEvict:
+            return None
+        slot, length = self._map.pop(victim)
+        if want_data:
+            off = slot * self.slot_bytes
+            evicted.append((victim, bytes(self._arena[off : off + length])))
+        self._used -= length
+        self._remember_evicted(victim)
+        self._release(slot, reuse)
+        return length
+
     def _take_slot(self, evicted: list[tuple[bytes, bytes]], want_data: bool) -> int | None:
         while not self._free:
-            try:
-                victim = self._pick_victim()
-            except NothingToEvict:
+            if self._evict_one(evicted, want_data, reuse=True) is None:
                 return None
-            slot, length = self._map.pop(victim)
-            if want_data:
-                off = slot * self.slot_bytes
-                evicted.append((victim, bytes(self._arena[off : off + length])))
-            self._used -= length
-            self._remember_evicted(victim)
-            self._release(slot)
         return self._free.pop()
 
     def _acquire(self, key: bytes) -> tuple[int, int] | Miss:
@@ -153,7 +196,7 @@ class CpuTier(BoundedTier):
         self._readers[slot] -= 1
         if not self._readers[slot] and slot in self._retired:
             self._retired.discard(slot)
-            self._free.append(slot)
+            self._free_slot(slot)
 
     # --- verbs ----------------------------------------------------------------------------------
     def _probe(self, keys: Sequence[bytes]) -> Probe:
@@ -236,11 +279,33 @@ class CpuTier(BoundedTier):
         check_keys([e.key for e in entries])
         evicted: list[tuple[bytes, bytes]] = []
         results = [self._put_one(e, evicted) for e in entries]
+        self._notify(evicted)
+        return results
+
+    def shed(self, nbytes: int) -> int:
+        """Evict chunks in policy order until at least ``nbytes`` chunk bytes are freed or
+        nothing evictable is left (pinned chunks stay); returns the chunk bytes freed. For an
+        owner that shares one RAM budget among several tiers (kvtier-server's tenant pool); on
+        a lazy arena the freed slots' pages go back to the OS (a slot still being read keeps
+        them until its last reader leaves). Evictions count in ``usage().evictions`` and reach
+        the evict listener as a put's do. Any thread."""
+        evicted: list[tuple[bytes, bytes]] = []
+        freed = 0
+        with self._lock:
+            want_data = self.evict_listener is not None
+            while freed < nbytes:
+                length = self._evict_one(evicted, want_data, reuse=False)
+                if length is None:
+                    break
+                freed += length
+        self._notify(evicted)
+        return freed
+
+    def _notify(self, evicted: list[tuple[bytes, bytes]]) -> None:
         listener = self.evict_listener
         if listener is not None:
             for key, value in evicted:
                 listener(key, value)
-        return results
 
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
@@ -259,12 +324,12 @@ class CpuTier(BoundedTier):
         except BaseException:
             with self._lock:
                 self._writing.discard(slot)
-                self._free.append(slot)
+                self._free_slot(slot)
             raise
         with self._lock:
             self._writing.discard(slot)
             if self._closed:
-                self._free.append(slot)
+                self._free_slot(slot)
                 return False
             self._unmap(e.key)  # overwrite: the old slot is released (or retired if read)
             self._map[e.key] = (slot, length)
