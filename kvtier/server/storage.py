@@ -2,9 +2,9 @@
 
 Why one stack per tenant rather than one shared tier with tenant-prefixed keys: isolation is
 then structural (a request only ever reaches its own tenant's tier objects, so knowing
-another tenant's key gets nothing, not even a timing difference), the quota is just the
-capacity of the tenant's tiers (eviction stays inside the quota and never touches another
-tenant), and a restart rebuilds each tenant's index from its own directory
+another tenant's key gets nothing, not even a timing difference), a tenant's cap is just
+the capacity of its tiers (eviction inside a tenant follows that tenant's own policy; the
+shared pools below only choose *which* tenant sheds), and a restart rebuilds each tenant's index from its own directory
 (``<disk.path>/tenants/<tenant>``) because chunk headers carry client keys, not storage keys.
 
 Capacity: quotas are caps on one shared budget per medium (:mod:`kvtier.server.pool`), RAM
