@@ -294,16 +294,16 @@ class Storage:
                     log.info("tenant %s: disk index rebuilt: %d chunks, %d bytes, %d bad files removed",
                              tenant.name, stats.files, stats.bytes, stats.bad)
                 self.stores[tenant.name] = TenantStore(tenant, ram, disk_tier)
-            if cpu.enabled:
-                ram_pool = SharedPool(cpu.capacity_bytes, {name: s.ram for name, s in self.stores.items()
-                                                           if s.ram is not None}, ram_shares)
-                for store in self.stores.values():
-                    store.ram_pool = ram_pool
             if disk.enabled:
                 disk_pool = SharedPool(disk.capacity_bytes, {name: s.disk for name, s in self.stores.items()
                                                              if s.disk is not None}, disk_shares)
                 for store in self.stores.values():
                     store.disk_pool = disk_pool
+            if cpu.enabled:
+                ram_pool = SharedPool(cpu.capacity_bytes, {name: s.ram for name, s in self.stores.items()
+                                                           if s.ram is not None}, ram_shares)
+                for store in self.stores.values():
+                    store.ram_pool = ram_pool
         except BaseException:
             self.close()
             raise
