@@ -1,10 +1,11 @@
 """CpuTier.shed and the lazily backed arena (kvtier-server's RAM pool, issue 10 "Tenant
 memory"): shed evicts in the tier's own policy order, and a lazy arena's resident pages
-follow the chunks it holds — measured from /proc/self/smaps, never assumed — while a slot
+follow the chunks it holds — measured with mincore(2), never assumed — while a slot
 being read keeps its pages and bytes until its reader leaves."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
@@ -27,18 +28,16 @@ def _chunk(i: int, n: int = 60_000) -> bytes:
 
 
 def arena_rss(tier: CpuTier) -> int:
-    """Resident bytes of the mapping that holds ``tier``'s arena, from /proc/self/smaps."""
-    addr = np.frombuffer(tier._arena, dtype=np.uint8).ctypes.data
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("arena mapping not found in /proc/self/smaps")
+    """Resident bytes of ``tier``'s arena, page by page from mincore(2): exact to the arena
+    (/proc/self/smaps would report the whole VMA, which the kernel may merge with adjacent
+    private anonymous memory)."""
+    arena = np.frombuffer(tier._arena, dtype=np.uint8)
+    pages = -(-arena.nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(arena.ctypes.data), ctypes.c_size_t(arena.nbytes), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
 
 
 def test_shed_evicts_in_policy_order_and_returns_bytes_freed() -> None:
@@ -73,6 +72,22 @@ def test_lazy_arena_is_resident_only_where_chunks_are() -> None:
     assert all(tier.put([Entry(_key(1000 + i), _chunk(i, 1000)) for i in range(8)]))
     assert tier.get([_key(1000 + i) for i in range(8)]) == [_chunk(i, 1000) for i in range(8)]
     assert tier.get([_key(i) for i in range(n // 2 + 8, n)]) == [_chunk(i) for i in range(n // 2 + 8, n)]
+    assert tier.check() == []
+    tier.close()
+
+
+def test_shed_for_reuse_keeps_one_sheds_pages_for_the_put_that_follows() -> None:
+    tier = CpuTier(CpuTierConfig(capacity_bytes=16 * SLOT, slot_bytes=SLOT, policy="lru"), lazy=True)
+    page_rounded = -(-60_000 // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert all(tier.put([Entry(_key(i), _chunk(i)) for i in range(8)]))
+    assert tier.shed(3 * 60_000, reuse=True) == 3 * 60_000  # the putter makes room for itself
+    assert arena_rss(tier) == 8 * page_rounded and tier.check() == []  # pages kept for the put
+    assert all(tier.put([Entry(_key(100 + i), _chunk(100 + i)) for i in range(2)]))
+    assert arena_rss(tier) == 8 * page_rounded  # refilled without fresh pages
+    assert tier.get([_key(100), _key(101)]) == [_chunk(100), _chunk(101)]
+    # One kept slot was not refilled: the next shed (any) hands its pages back first.
+    assert tier.shed(60_000) == 60_000
+    assert arena_rss(tier) == 6 * page_rounded and tier.usage().entries == 6
     assert tier.check() == []
     tier.close()
 

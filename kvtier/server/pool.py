@@ -37,11 +37,12 @@ from kvtier.tiers.base import TierUsage
 class SheddingTier(Protocol):
     """A tier whose owner can shrink it: ``shed(n)`` evicts (the tier's own policy order)
     until at least ``n`` chunk bytes are freed or nothing evictable is left, and returns the
-    bytes freed. Thread-safe."""
+    bytes freed; ``reuse=True`` says a put into that same tier follows (a RAM arena then keeps
+    the freed pages for it). Thread-safe."""
 
     def usage(self) -> TierUsage: ...
 
-    def shed(self, nbytes: int) -> int: ...
+    def shed(self, nbytes: int, reuse: bool = False) -> int: ...
 
 
 class SharedPool:
@@ -67,7 +68,8 @@ class SharedPool:
                 if victim is None:
                     return  # everyone within their share: the put may pass the budget by nbytes
                 excess = usage[victim] - self.shares[victim] + (nbytes if victim == tenant else 0)
-                freed = self.tiers[victim].shed(min(over, excess))
+                # The putter's own slots are refilled at once: no need to hand pages back.
+                freed = self.tiers[victim].shed(min(over, excess), reuse=victim == tenant)
                 if not freed:
                     return
                 usage[victim] -= freed

@@ -23,7 +23,8 @@ Lazy arena (``lazy=True``, kvtier-server)
     mapping that is *not* pre-touched (a slot's pages are faulted in by the first put into
     it), and whenever a slot goes back on the free list its whole pages are returned to the OS
     (``madvise(MADV_DONTNEED)``; a slot still being read is retired and keeps its pages until
-    its last reader leaves). So resident memory follows the chunks held (page-rounded), not
+    its last reader leaves; ``shed(reuse=True)`` keeps one shed's worth for the put that
+    follows). So resident memory follows the chunks held (page-rounded), not
     the capacity, and :meth:`shed` lets the owner shrink a tier below its capacity. The cost is
     a page fault per page on a put into a fresh slot. Always pageable (never pinned). The
     library's default (``lazy=False``) keeps the pre-touched arena.
@@ -123,6 +124,8 @@ class CpuTier(BoundedTier):
             np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
+        # Free slots that kept their pages for a put about to come (taken before ``_free``).
+        self._warm: list[int] = []
         self._readers = [0] * self.slots
         self._writing: set[int] = set()  # slots handed to an in-flight put copy
         self._retired: set[int] = set()  # unmapped slots still being read
@@ -131,11 +134,11 @@ class CpuTier(BoundedTier):
     # --- slot bookkeeping (lock held) ---------------------------------------------------------
     def _release(self, slot: int, reuse: bool = False) -> None:
         """An unmapped slot goes back to the free list, or is retired while it is read.
-        ``reuse``: the caller pops it at once, so a lazy arena keeps its pages."""
+        ``reuse``: a put takes it next, so it keeps its pages (``_warm``)."""
         if self._readers[slot]:
             self._retired.add(slot)
         elif reuse:
-            self._free.append(slot)
+            self._warm.append(slot)
         else:
             self._free_slot(slot)
 
@@ -178,10 +181,10 @@ class CpuTier(BoundedTier):
         return length
 
     def _take_slot(self, evicted: list[tuple[bytes, bytes]], want_data: bool) -> int | None:
-        while not self._free:
+        while not self._warm and not self._free:
             if self._evict_one(evicted, want_data, reuse=True) is None:
                 return None
-        return self._free.pop()
+        return self._warm.pop() if self._warm else self._free.pop()
 
     def _acquire(self, key: bytes) -> tuple[int, int] | Miss:
         """Look ``key`` up and register a reader on its slot (lock held)."""
@@ -282,19 +285,25 @@ class CpuTier(BoundedTier):
         self._notify(evicted)
         return results
 
-    def shed(self, nbytes: int) -> int:
+    def shed(self, nbytes: int, reuse: bool = False) -> int:
         """Evict chunks in policy order until at least ``nbytes`` chunk bytes are freed or
         nothing evictable is left (pinned chunks stay); returns the chunk bytes freed. For an
         owner that shares one RAM budget among several tiers (kvtier-server's tenant pool); on
         a lazy arena the freed slots' pages go back to the OS (a slot still being read keeps
-        them until its last reader leaves). Evictions count in ``usage().evictions`` and reach
-        the evict listener as a put's do. Any thread."""
+        them until its last reader leaves). ``reuse``: the caller is about to put about
+        ``nbytes`` into this very tier, so the freed slots keep their pages for that put (a
+        fresh page costs a fault and zeroing: a steady-state put would be several times
+        slower); only the latest such shed's slots are kept, earlier ones' pages go back
+        first, so at most one shed's worth of free slots stays resident. Evictions count in
+        ``usage().evictions`` and reach the evict listener as a put's do. Any thread."""
         evicted: list[tuple[bytes, bytes]] = []
         freed = 0
         with self._lock:
             want_data = self.evict_listener is not None
+            while self._warm:
+                self._free_slot(self._warm.pop())
             while freed < nbytes:
-                length = self._evict_one(evicted, want_data, reuse=False)
+                length = self._evict_one(evicted, want_data, reuse=reuse)
                 if length is None:
                     break
                 freed += length
@@ -351,12 +360,12 @@ class CpuTier(BoundedTier):
         with self._lock:
             problems: list[str] = []
             used_slots = [slot for slot, _ in self._map.values()]
-            every = self._free + used_slots + list(self._writing) + list(self._retired)
+            every = self._free + self._warm + used_slots + list(self._writing) + list(self._retired)
             if len(every) != self.slots:
-                problems.append(f"free {len(self._free)} + used {len(used_slots)} + writing "
-                                f"{len(self._writing)} + retired {len(self._retired)} != {self.slots} slots")
+                problems.append(f"free {len(self._free)} + warm {len(self._warm)} + used {len(used_slots)} + "
+                                f"writing {len(self._writing)} + retired {len(self._retired)} != {self.slots} slots")
             if len(set(every)) != len(every):
-                problems.append("a slot is listed twice (free, used, writing or retired)")
+                problems.append("a slot is listed twice (free, warm, used, writing or retired)")
             used = sum(length for _, length in self._map.values())
             if used != self._used:
                 problems.append(f"used_bytes {self._used} != sum of chunk lengths {used}")
