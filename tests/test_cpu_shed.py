@@ -41,7 +41,8 @@ def arena_rss(tier: CpuTier) -> int:
 
 
 def test_shed_evicts_in_policy_order_and_returns_bytes_freed() -> None:
-    tier = CpuTier(CpuTierConfig(capacity_bytes=8 * SLOT, slot_bytes=SLOT, policy="lru"), lazy=True)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=8 * SLOT, slot_bytes=SLOT, policy="lru", pin_memory="never"),
+                   lazy=True)
     seen: list[bytes] = []
     tier.evict_listener = lambda key, data: seen.append(key)
     assert tier.put([Entry(_key(i), _chunk(i)) for i in range(6)]) == [True] * 6
@@ -59,7 +60,8 @@ def test_shed_evicts_in_policy_order_and_returns_bytes_freed() -> None:
 
 def test_lazy_arena_is_resident_only_where_chunks_are() -> None:
     n = 64
-    tier = CpuTier(CpuTierConfig(capacity_bytes=n * SLOT, slot_bytes=SLOT, policy="lru"), lazy=True)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=n * SLOT, slot_bytes=SLOT, policy="lru", pin_memory="never"),
+                   lazy=True)
     assert not tier.pinned and arena_rss(tier) == 0  # not pre-touched
     assert all(tier.put([Entry(_key(i), _chunk(i)) for i in range(n)]))
     page_rounded = -(-60_000 // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -77,7 +79,8 @@ def test_lazy_arena_is_resident_only_where_chunks_are() -> None:
 
 
 def test_shed_for_reuse_keeps_one_sheds_pages_for_the_put_that_follows() -> None:
-    tier = CpuTier(CpuTierConfig(capacity_bytes=16 * SLOT, slot_bytes=SLOT, policy="lru"), lazy=True)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=16 * SLOT, slot_bytes=SLOT, policy="lru", pin_memory="never"),
+                   lazy=True)
     page_rounded = -(-60_000 // mmap.PAGESIZE) * mmap.PAGESIZE
     assert all(tier.put([Entry(_key(i), _chunk(i)) for i in range(8)]))
     assert tier.shed(3 * 60_000, reuse=True) == 3 * 60_000  # the putter makes room for itself
@@ -93,7 +96,8 @@ def test_shed_for_reuse_keeps_one_sheds_pages_for_the_put_that_follows() -> None
 
 
 def test_a_leased_slot_keeps_its_bytes_and_pages_through_shed() -> None:
-    tier = CpuTier(CpuTierConfig(capacity_bytes=4 * SLOT, slot_bytes=SLOT, policy="lru"), lazy=True)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=4 * SLOT, slot_bytes=SLOT, policy="lru", pin_memory="never"),
+                   lazy=True)
     assert all(tier.put([Entry(_key(i), _chunk(i)) for i in range(4)]))
     with tier.leased(_key(0)) as view:
         assert isinstance(view, memoryview)

@@ -66,7 +66,8 @@ class TestLazyCpuTier(TierContract):
 
     @pytest.fixture
     def make_tier(self) -> Iterator[Callable[[int], Any]]:
-        yield from _factory(lambda cap: CpuTier(CpuTierConfig(capacity_bytes=cap, slot_bytes=SLOT), lazy=True))
+        yield from _factory(lambda cap: CpuTier(
+            CpuTierConfig(capacity_bytes=cap, slot_bytes=SLOT, pin_memory="never"), lazy=True))
 
 
 class TestDiskTier(TierContract):

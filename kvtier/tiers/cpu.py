@@ -19,14 +19,14 @@ Threads
     never sees a slot reused under it, and one thread's copy never blocks another thread's
     lookups (the copy itself is a memcpy under the GIL).
 Lazy arena (``lazy=True``, kvtier-server)
-    For an owner that shares one RAM budget among several tiers: the arena is an anonymous
-    mapping that is *not* pre-touched (a slot's pages are faulted in by the first put into
-    it), and whenever a slot goes back on the free list its whole pages are returned to the OS
-    (``madvise(MADV_DONTNEED)``; a slot still being read is retired and keeps its pages until
+    For an owner that shares one RAM budget among several tiers: the arena (pageable,
+    ``pin_memory="never"``) is *not* pre-touched (a slot's pages are faulted in by the first
+    put into it), and whenever a slot goes back on the free list its whole pages are returned
+    to the OS (``madvise(MADV_REMOVE)``; a slot still being read is retired and keeps its pages until
     its last reader leaves; ``shed(reuse=True)`` keeps one shed's worth for the put that
     follows). So resident memory follows the chunks held (page-rounded), not
     the capacity, and :meth:`shed` lets the owner shrink a tier below its capacity. The cost is
-    a page fault per page on a put into a fresh slot. Always pageable (never pinned). The
+    a page fault per page on a put into a fresh slot. Never pinned (pin_memory="never"). The
     library's default (``lazy=False``) keeps the pre-touched arena.
 Failure
     No I/O can fail here; the only refusals are a chunk larger than a slot and a tier whose
@@ -38,8 +38,10 @@ Evict listener
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -82,17 +84,13 @@ def _pinned_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview] | None
     return tensor, tensor.numpy().data
 
 
-def _allocate_arena(nbytes: int, pin_memory: str, lazy: bool) -> tuple[Any, memoryview, bool]:
+def _allocate_arena(nbytes: int, pin_memory: str) -> tuple[Any, memoryview, bool]:
     """(owner, uint8 view, pinned). The pageable arena is an anonymous mapping: page-aligned,
-    so slots of page-multiple size can feed O_DIRECT writes without a bounce copy. A lazy
-    arena is a *private* mapping: MADV_DONTNEED frees private anonymous pages, whereas on the
-    shared mapping Python makes by default it would only unmap them (the memory would stay
-    allocated in the shmem object)."""
-    pinned = None if lazy else _pinned_arena(nbytes, pin_memory)
+    so slots of page-multiple size can feed O_DIRECT writes without a bounce copy."""
+    pinned = _pinned_arena(nbytes, pin_memory)
     if pinned is not None:
         return pinned[0], pinned[1], True
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if lazy else mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
-    buf = mmap.mmap(-1, max(nbytes, 1), flags=flags)
+    buf = mmap.mmap(-1, max(nbytes, 1))
     arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
     return (buf, arr), arr.data, False
 
@@ -108,20 +106,24 @@ class CpuTier(BoundedTier):
             raise ValueError(
                 f"cpu tier needs capacity_bytes ({config.capacity_bytes}) >= slot_bytes "
                 f"({config.slot_bytes}) >= 1")
-        if lazy and config.pin_memory == "always":
-            raise ValueError("cpu tier: a lazy arena is pageable memory; pin_memory='always' cannot apply")
+        if lazy and config.pin_memory != "never":
+            raise ValueError(f"cpu tier: a lazy arena is pageable memory; pin_memory must be 'never', "
+                             f"got {config.pin_memory!r}")
         self.name = name
         self.config = config
         self.slot_bytes = config.slot_bytes
         self.slots = config.capacity_bytes // config.slot_bytes
         self.capacity_bytes = self.slots * self.slot_bytes
         self.policy = make_policy(config.policy)
-        self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory, lazy)
-        # The mapping whose free slots' pages go back to the OS (lazy arenas only).
-        self._mapping: mmap.mmap | None = self._owner[0] if lazy else None
+        self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory)
+        # Pre-touch: one write per page so the first put does not take page faults.
         if not lazy:
-            # Pre-touch: one write per page so the first put does not take page faults.
             np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        # A lazy arena is left untouched (see "Lazy arena" above).
+        self.lazy = lazy
+        self._base = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data  # page-aligned (mmap)
+        if lazy:  # fail here, not at the first eviction, where the kernel refuses MADV_REMOVE
+            _remove_pages(self._base, mmap.PAGESIZE)
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
         # Free slots that kept their pages for a put about to come (taken before ``_free``).
@@ -143,18 +145,17 @@ class CpuTier(BoundedTier):
             self._free_slot(slot)
 
     def _free_slot(self, slot: int) -> None:
-        """Free ``slot``; a lazy arena first returns the pages wholly inside it to the OS (a
+        """Free ``slot``; a lazy arena also returns the pages wholly inside it to the OS (a
         page shared with a neighbouring slot may hold that slot's live bytes, so it stays).
-        Under the lock, before the slot is on the free list: no put can be copying into it and
-        no reader holds it, so zero-filled pages are never seen by anyone."""
-        mapping = self._mapping
-        if mapping is not None:
+        Under the lock: no put can be copying into the slot and no reader holds it, so
+        zero-filled pages are never seen by anyone."""
+        self._free.append(slot)
+        if self.lazy:
             off = slot * self.slot_bytes
             start = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
             end = (off + self.slot_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
             if end > start:
-                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
-        self._free.append(slot)
+                _remove_pages(self._base + start, end - start)
 
     def _unmap(self, key: bytes) -> bool:
         old = self._map.pop(key, None)
@@ -386,3 +387,16 @@ class CpuTier(BoundedTier):
             for key in list(self._map):
                 self._unmap(key)
 
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _remove_pages(addr: int, nbytes: int) -> None:
+    """Free the pages of ``[addr, addr + nbytes)`` (page-aligned) and their backing store: the
+    arena is a shared anonymous mapping (shmem), where ``MADV_REMOVE`` punches a hole (the next
+    write faults in a zeroed page) and ``MADV_DONTNEED`` would only unmap the pages, leaving
+    the memory allocated. Raises OSError when the kernel refuses."""
+    if _libc.madvise(addr, nbytes, mmap.MADV_REMOVE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_REMOVE) of {nbytes} bytes: {os.strerror(err)}")
