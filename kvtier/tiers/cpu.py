@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -399,4 +398,4 @@ def _remove_pages(addr: int, nbytes: int) -> None:
     the memory allocated. Raises OSError when the kernel refuses."""
     if _libc.madvise(addr, nbytes, mmap.MADV_REMOVE) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_REMOVE) of {nbytes} bytes: {os.strerror(err)}")
+        raise OSError(err, f"madvise(MADV_REMOVE) of {nbytes} bytes refused (errno {err})")
