@@ -1,6 +1,7 @@
-"""Tenant quotas are caps on one shared disk budget (issue 10, "Tenant memory"): a busy tenant
-uses the capacity an idle one leaves, and a quiet tenant's chunks survive a noisy tenant's
-flood up to the quiet tenant's guaranteed share. A real kvtier-server with a disk tier."""
+"""Tenant quotas are caps on one shared budget per medium (issue 10, "Tenant memory"): a busy
+tenant uses the capacity an idle one leaves, and a quiet tenant's chunks survive a noisy
+tenant's flood up to the quiet tenant's guaranteed share. Real kvtier-servers with a disk tier
+and RAM only (the server's RSS measured), and the storage layer directly for promotions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import urllib.request
 from pathlib import Path
 
-from kvtier.config import GrpcTierConfig
+from kvtier.config import CpuTierConfig, DiskTierConfig, GrpcTierConfig
+from kvtier.server.auth import Tenant
+from kvtier.server.storage import Storage
 from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.remote import GrpcTier
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
@@ -62,3 +65,106 @@ def test_busy_tenant_uses_idle_capacity_and_quiet_share_survives(tmp_path: Path)
         busy.close()
         quiet.close()
         assert s.stop() == 0, s.log
+
+
+def ram_used(server: ServerProc) -> dict[str, int]:
+    with urllib.request.urlopen(server.http + "/api/stats", timeout=10) as r:
+        doc = json.loads(r.read())
+    return {t["tenant"]: next(x["used_bytes"] for x in t["tiers"] if x["name"] == "cpu") for t in doc["tenants"]}
+
+
+def rss(server: ServerProc) -> int:
+    """The server process's resident bytes, from /proc (measured, not assumed)."""
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_ram_only_server_shares_its_ram_budget(tmp_path: Path) -> None:
+    """RAM-only (the default kvtier-server): the same caps-on-a-pool semantics for RAM, and
+    the process's resident memory stays within the RAM budget (+ slack) however the tenants
+    move it around: freed slots' pages go back to the OS."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{BUSY} busy\n{QUIET} quiet\n")
+    tokens.chmod(0o600)
+    budget = 48 * MiB  # a guaranteed share of 24 MiB each, the rest shared
+    # No shared-memory segments (each data connection's is bounded on its own, outside the
+    # quotas): the process's RSS is then the arenas plus the interpreter.
+    s = start_server(tmp_path, "--tokens-file", str(tokens), "--cpu-bytes", "48MiB",
+                     "--slot-bytes", "64KiB", "--set", "max_chunk_bytes=64KiB", "--set", "shm_bytes=0")
+    busy = GrpcTier(GrpcTierConfig(enabled=True, nodes=(s.address,), token=BUSY))
+    quiet = GrpcTier(GrpcTierConfig(enabled=True, nodes=(s.address,), token=QUIET))
+    try:
+        put_all(busy, make_keys(8, seed=9), seed=9)  # warm the request paths up
+        base = rss(s)
+        busy_keys = make_keys(750, seed=1)  # ~43 MiB: far beyond its 24 MiB share
+        put_all(busy, busy_keys, seed=1)
+        used = ram_used(s)
+        assert used["busy"] > 40 * MiB and used["quiet"] == 0, used  # the idle share is used
+        held = busy.get(busy_keys)
+        assert sum(not isinstance(v, Miss) for v in held) >= len(busy_keys) - 8
+        peak = rss(s)
+
+        quiet_keys = make_keys(360, seed=2)  # ~21 MiB: within its share; busy must give way
+        put_all(quiet, quiet_keys, seed=2)
+        peak = max(peak, rss(s))
+        flood = make_keys(1200, seed=3)  # ~69 MiB from the noisy tenant
+        put_all(busy, flood, seed=3)
+        used = ram_used(s)
+        assert sum(used.values()) <= budget + 8 * CHUNK, used  # the budget (+ one batch in flight)
+        got = quiet.get(quiet_keys)
+        assert got == [make_chunk(k, CHUNK, seed=2) for k in quiet_keys]  # every quiet chunk survived
+        peak = max(peak, rss(s))
+        grown = peak - base
+        print(f"server RSS: base {base / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, "
+              f"grown {grown / MiB:.1f} MiB for a {budget / MiB:.0f} MiB RAM budget")
+        # Without pages going back, busy's 43 MiB of touched slots + quiet's 21 MiB = 64 MiB.
+        assert grown <= budget + 8 * MiB, (base, peak)
+        assert s.alive()
+    finally:
+        busy.close()
+        quiet.close()
+        assert s.stop() == 0, s.log
+
+
+def test_promotions_from_disk_make_room_in_the_ram_pool(tmp_path: Path) -> None:
+    """With a disk tier RAM is a cache, shared the same way: a busy tenant's writes and its
+    disk hits promoted into RAM (get and get_into) use idle RAM but never the quiet tenant's
+    share, and the tenants together stay within the RAM budget."""
+    budget = 4 * MiB  # 2 MiB guaranteed per tenant
+    storage = Storage([Tenant("busy"), Tenant("quiet")], CpuTierConfig(capacity_bytes=budget, slot_bytes=64 << 10),
+                      DiskTierConfig(enabled=True, path=str(tmp_path / "disk"), capacity_bytes=64 * MiB))
+    busy, quiet = storage.store("busy"), storage.store("quiet")
+    assert busy.ram is not None and quiet.ram is not None
+
+    def ram_total() -> int:
+        return sum(s.ram.usage().used_bytes for s in (busy, quiet) if s.ram is not None)
+
+    try:
+        busy_keys = make_keys(50, seed=1)  # ~2.9 MiB: beyond its RAM share, within the budget
+        assert busy.put([Entry(k, make_chunk(k, CHUNK, seed=1)) for k in busy_keys]) == [True] * 50
+        assert busy.ram.usage().used_bytes > 2.5 * MiB  # idle RAM is used
+        quiet_keys = make_keys(24, seed=2)  # ~1.4 MiB: within its share; busy gives way
+        assert quiet.put([Entry(k, make_chunk(k, CHUNK, seed=2)) for k in quiet_keys]) == [True] * 24
+        flood = make_keys(200, seed=3)  # ~11 MiB: RAM keeps only the newest of it
+        for i in range(0, len(flood), 8):
+            batch = flood[i : i + 8]
+            assert busy.put([Entry(k, make_chunk(k, CHUNK, seed=3)) for k in batch]) == [True] * len(batch)
+            assert ram_total() <= budget + 8 * CHUNK
+        # Reading the start of the flood back: disk hits, each batch promoted into RAM.
+        for i in range(0, 96, 8):
+            batch = flood[i : i + 8]
+            if i % 16:
+                outs = [memoryview(bytearray(CHUNK + 4096)) for _ in batch]
+                got = busy.get_into(batch, outs)
+                assert [bytes(o[:n]) for o, n in zip(outs, got) if isinstance(n, int)] == \
+                    [make_chunk(k, CHUNK, seed=3) for k in batch]
+            else:
+                assert busy.get(batch) == [make_chunk(k, CHUNK, seed=3) for k in batch]
+            assert busy.ram.probe(batch).hits == len(batch)  # promoted
+            assert ram_total() <= budget + 8 * CHUNK
+        assert quiet.ram.probe(quiet_keys).hits == len(quiet_keys)  # the quiet share survived
+        assert storage.check() == []
+    finally:
+        storage.close()

@@ -61,6 +61,15 @@ class TestCpuTier(TierContract):
         yield from _factory(lambda cap: CpuTier(CpuTierConfig(capacity_bytes=cap, slot_bytes=SLOT)))
 
 
+class TestLazyCpuTier(TierContract):
+    """The server's lazily backed arena (pages returned to the OS as slots are freed)."""
+
+    @pytest.fixture
+    def make_tier(self) -> Iterator[Callable[[int], Any]]:
+        yield from _factory(lambda cap: CpuTier(
+            CpuTierConfig(capacity_bytes=cap, slot_bytes=SLOT, pin_memory="never"), lazy=True))
+
+
 class TestDiskTier(TierContract):
     @pytest.fixture
     def make_tier(self, tmp_path: Path) -> Iterator[Callable[[int], Any]]:

@@ -8,7 +8,8 @@ a comment, so a token may itself contain ``#``; blank lines ignored)::
 - ``token``: at least 16 printable non-space ASCII characters (e.g. ``openssl rand -hex 24``).
 - ``tenant``: 1-64 characters of ``A-Z a-z 0-9 . _ -``, not starting with ``.``. Several tokens may name one tenant
   (rotation); they must then agree on quota and admin.
-- ``quota``: the tenant's byte quota (``1073741824``, ``512MiB``, ``4GiB``); when absent the
+- ``quota``: the tenant's byte quota, a cap on its RAM and on its disk within the shared budgets
+  (``1073741824``, ``512MiB``, ``4GiB``); when absent the
   server's ``default_quota_bytes`` applies.
 - ``admin``: the tenant may read other tenants' Stats (``tenant: "*"`` or a name).
 

@@ -58,7 +58,8 @@ class ServerConfig:
     peers: tuple[str, ...] = ()
     # Auth: empty = off (one tenant, "default"). Format in kvtier.server.auth.
     tokens_file: str = ""
-    # Quota of tenants whose token line names none (0 = an equal share of the capacity).
+    # Quota (a cap on RAM and on disk, within the shared budgets) of tenants whose token line
+    # names none; 0 = no cap but the budget (every tenant is still guaranteed capacity // n).
     default_quota_bytes: int = field(default=0, metadata=value_range(0, None, size=True))
     tls_cert: str = ""
     tls_key: str = ""

@@ -2,19 +2,22 @@
 
 Why one stack per tenant rather than one shared tier with tenant-prefixed keys: isolation is
 then structural (a request only ever reaches its own tenant's tier objects, so knowing
-another tenant's key gets nothing, not even a timing difference), the quota is just the
-capacity of the tenant's tiers (eviction stays inside the quota and never touches another
-tenant), and a restart rebuilds each tenant's index from its own directory
+another tenant's key gets nothing, not even a timing difference), a tenant's cap is just
+the capacity of its tiers (eviction inside a tenant follows that tenant's own policy; the
+shared pools below only choose *which* tenant sheds), and a restart rebuilds each tenant's index from its own directory
 (``<disk.path>/tenants/<tenant>``) because chunk headers carry client keys, not storage keys.
 
-Capacity: with a disk tier, quotas are caps on one shared disk budget
-(:mod:`kvtier.server.pool`): a tenant may use up to its quota (or the whole budget without
-one) while others leave room, and is guaranteed ``min(quota, capacity // n)``. The chunks are
-written through to disk (a Put is acknowledged once it is on disk, so it survives
-``kill -9``) and the RAM tier caches them with a fixed per-tenant share. Without a disk tier
-RAM holds everything and each of the ``n`` tenants gets ``min(quota, capacity // n)`` of it
-(its arena is allocated up front), where quota is the tenant's own or
-``default_quota_bytes`` (0 = no quota beyond the share).
+Capacity: quotas are caps on one shared budget per medium (:mod:`kvtier.server.pool`), RAM
+(``cpu.capacity_bytes``) and disk (``disk.capacity_bytes``) alike: a tenant may use up to its
+quota (or the whole budget without one) while others leave room, and is guaranteed
+``min(quota, capacity // n)`` of each, where quota is the tenant's own or
+``default_quota_bytes`` (0 = none). Every put into a tier makes room in its pool first: a
+Put's write, and on a disk-backed server also the RAM copy and every promotion of a disk hit
+into RAM. With a disk tier the chunks are written through to disk (a Put is acknowledged
+once it is on disk, so it survives ``kill -9``) and RAM caches them; without one RAM holds
+everything. Each tenant's RAM arena is sized to its cap but lazily backed (pages are faulted
+in by puts and returned to the OS when the pool or a delete frees a slot), so the server's
+resident memory follows the RAM budget, not n x cap; the virtual reservation is n x cap.
 
 Threads: every method may be called from any thread (the tiers serialise themselves); calls
 block on file I/O, so the gRPC side runs them in its executor. No torch is ever imported:
@@ -35,7 +38,7 @@ from typing import Any
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import Tenant
-from kvtier.server.pool import DiskPool
+from kvtier.server.pool import SharedPool
 from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
@@ -100,10 +103,12 @@ class Traffic:
 
 class TenantStore:
     """One tenant's chunks. ``ram`` may be absent (cpu disabled), ``disk`` too (disk
-    disabled), never both. The bottom tier bounds the tenant: it is the quota."""
+    disabled), never both. The bottom tier bounds the tenant: it is the quota. ``ram_pool``
+    and ``disk_pool`` are the shared budgets its tiers belong to (None: the tier is bounded
+    only by its own capacity); Storage sets them once every tenant is built."""
 
     def __init__(self, tenant: Tenant, ram: CpuTier | None, disk: DiskTier | None,
-                 pool: DiskPool | None = None) -> None:
+                 ram_pool: SharedPool | None = None, disk_pool: SharedPool | None = None) -> None:
         if ram is None and disk is None:
             raise ValueError("a tenant store needs a RAM tier, a disk tier or both")
         self.tenant = tenant
@@ -113,7 +118,8 @@ class TenantStore:
         self.bottom = self.tiers[-1]
         self.max_chunk_bytes = disk.capacity_bytes if disk is not None else ram.slot_bytes  # type: ignore[union-attr]
         self.traffic = Traffic()
-        self.pool = pool  # the shared disk budget, set by Storage once every tenant is built
+        self.ram_pool = ram_pool
+        self.disk_pool = disk_pool
 
     @property
     def quota_bytes(self) -> int:
@@ -175,8 +181,7 @@ class TenantStore:
             first[i] = value
             if not isinstance(value, Miss):
                 promote.append(Entry(keys[i], value))
-        if promote and self.ram is not None:
-            self.ram.put(promote)
+        self._cache(promote)
         return first
 
     @contextmanager
@@ -217,26 +222,38 @@ class TenantStore:
             first[i] = value
             if not isinstance(value, Miss):
                 promote.append(Entry(keys[i], outs[i][:value]))
-        if promote and self.ram is not None:
-            self.ram.put(promote)
+        self._cache(promote)
         return first
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:
         """Stored when the bottom tier (the tenant's quota) took it; RAM is a cache."""
         if self.disk is None:
             assert self.ram is not None
-            stored = self.ram.put(entries)
+            stored = self._put_ram(entries)
         else:
-            if self.pool is not None:
-                self.pool.make_room(self.tenant.name, sum(memoryview(e.data).nbytes for e in entries))
+            if self.disk_pool is not None:
+                self.disk_pool.make_room(self.tenant.name, sum(_nbytes(e) for e in entries))
             stored = self.disk.put(entries)
-            if self.ram is not None:
-                kept = [e for e, ok in zip(entries, stored) if ok]
-                if kept:
-                    self.ram.put(kept)
+            self._cache([e for e, ok in zip(entries, stored) if ok])
         self.traffic.put(sum(memoryview(e.data).nbytes for e, ok in zip(entries, stored) if ok),
                          stored.count(False))
         return stored
+
+    def _cache(self, entries: Sequence[Entry]) -> None:
+        """Copy chunks the disk holds into RAM (a cache: a refusal loses nothing)."""
+        if entries and self.ram is not None:
+            self._put_ram(entries)
+
+    def _put_ram(self, entries: Sequence[Entry]) -> list[bool]:
+        """Put into RAM after making room in the RAM pool for the chunks that fit a slot (a
+        larger one is refused by the tier, so nothing is evicted for it)."""
+        ram = self.ram
+        assert ram is not None
+        if self.ram_pool is not None:
+            fits = sum(n for n in map(_nbytes, entries) if n <= ram.slot_bytes)
+            if fits:
+                self.ram_pool.make_room(self.tenant.name, fits)
+        return ram.put(entries)
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: whether it was present in any tier."""
@@ -275,19 +292,21 @@ class Storage:
             raise ValueError("the server needs the cpu tier, the disk tier or both enabled")
         n = max(1, len(tenants))
         self.stores: dict[str, TenantStore] = {}
-        shares: dict[str, int] = {}  # guaranteed disk bytes per tenant
+        ram_shares: dict[str, int] = {}  # guaranteed bytes per tenant, of each budget
+        disk_shares: dict[str, int] = {}
         try:
             for tenant in tenants:
                 quota = tenant.quota_bytes or default_quota_bytes
                 ram = disk_tier = None
                 if cpu.enabled:
-                    cap = _share(cpu.capacity_bytes, n, quota if not disk.enabled else 0)
-                    slot = min(cpu.slot_bytes, cap)
+                    cap = _cap(cpu.capacity_bytes, quota)
+                    ram_shares[tenant.name] = _share(cpu.capacity_bytes, n, quota)
                     ram = CpuTier(dataclasses.replace(
-                        cpu, capacity_bytes=cap, slot_bytes=slot, pin_memory="never"), name="cpu")
+                        cpu, capacity_bytes=cap, slot_bytes=min(cpu.slot_bytes, cap), pin_memory="never"),
+                        name="cpu", lazy=True)
                 if disk.enabled:
-                    cap = max(MIN_TIER_BYTES, min(quota, disk.capacity_bytes) if quota else disk.capacity_bytes)
-                    shares[tenant.name] = _share(disk.capacity_bytes, n, quota)
+                    cap = _cap(disk.capacity_bytes, quota)
+                    disk_shares[tenant.name] = _share(disk.capacity_bytes, n, quota)
                     path = Path(disk.path).expanduser() / "tenants" / tenant.name
                     disk_tier = DiskTier(dataclasses.replace(disk, path=str(path), capacity_bytes=cap),
                                          name="disk")
@@ -296,10 +315,15 @@ class Storage:
                              tenant.name, stats.files, stats.bytes, stats.bad)
                 self.stores[tenant.name] = make_store(tenant, ram, disk_tier)
             if disk.enabled:
-                pool = DiskPool(disk.capacity_bytes, {n: s.disk for n, s in self.stores.items()
-                                                      if s.disk is not None}, shares)
+                disk_pool = SharedPool(disk.capacity_bytes, {name: s.disk for name, s in self.stores.items()
+                                                             if s.disk is not None}, disk_shares)
                 for store in self.stores.values():
-                    store.pool = pool
+                    store.disk_pool = disk_pool
+            if cpu.enabled:
+                ram_pool = SharedPool(cpu.capacity_bytes, {name: s.ram for name, s in self.stores.items()
+                                                           if s.ram is not None}, ram_shares)
+                for store in self.stores.values():
+                    store.ram_pool = ram_pool
         except BaseException:
             self.close()
             raise
@@ -318,6 +342,16 @@ class Storage:
             store.close()
 
 
+def _nbytes(entry: Entry) -> int:
+    return memoryview(entry.data).nbytes
+
+
+def _cap(capacity: int, quota: int) -> int:
+    """A tenant's tier capacity: its quota within the budget, or the whole budget."""
+    return max(MIN_TIER_BYTES, min(quota, capacity) if quota else capacity)
+
+
 def _share(capacity: int, tenants: int, quota: int) -> int:
+    """A tenant's guaranteed part of a budget: ``min(quota, capacity // tenants)``."""
     share = max(MIN_TIER_BYTES, capacity // tenants)
     return max(MIN_TIER_BYTES, min(quota, share)) if quota else share

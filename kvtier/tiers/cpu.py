@@ -18,6 +18,16 @@ Threads
     reader can find it) and goes back to the free list when its last reader leaves. So a reader
     never sees a slot reused under it, and one thread's copy never blocks another thread's
     lookups (the copy itself is a memcpy under the GIL).
+Lazy arena (``lazy=True``, kvtier-server)
+    For an owner that shares one RAM budget among several tiers: the arena (pageable,
+    ``pin_memory="never"``) is *not* pre-touched (a slot's pages are faulted in by the first
+    put into it), and whenever a slot goes back on the free list its whole pages are returned
+    to the OS (``madvise(MADV_REMOVE)``; a slot still being read is retired and keeps its pages until
+    its last reader leaves; ``shed(reuse=True)`` keeps one shed's worth for the put that
+    follows). So resident memory follows the chunks held (page-rounded), not
+    the capacity, and :meth:`shed` lets the owner shrink a tier below its capacity. The cost is
+    a page fault per page on a put into a fresh slot. Never pinned (pin_memory="never"). The
+    library's default (``lazy=False``) keeps the pre-touched arena.
 Failure
     No I/O can fail here; the only refusals are a chunk larger than a slot and a tier whose
     every chunk is pinned (both ``put`` -> False).
@@ -28,6 +38,7 @@ Evict listener
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from collections.abc import Iterator, Sequence
@@ -56,15 +67,19 @@ def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int) -> tuple[Any,
 
 
 class CpuTier(BoundedTier):
-    """See the module docstring for the threading and ownership rules."""
+    """See the module docstring for the threading and ownership rules; ``lazy`` selects the
+    lazily backed arena (see "Lazy arena" there)."""
 
-    def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu") -> None:
+    def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu", *, lazy: bool = False) -> None:
         super().__init__()
         config = config or CpuTierConfig()
         if config.slot_bytes < 1 or config.capacity_bytes < config.slot_bytes:
             raise ValueError(
                 f"cpu tier needs capacity_bytes ({config.capacity_bytes}) >= slot_bytes "
                 f"({config.slot_bytes}) >= 1")
+        if lazy and config.pin_memory != "never":
+            raise ValueError(f"cpu tier: a lazy arena is pageable memory; pin_memory must be 'never', "
+                             f"got {config.pin_memory!r}")
         self.name = name
         self.config = config
         self.slot_bytes = config.slot_bytes
@@ -74,20 +89,45 @@ class CpuTier(BoundedTier):
         self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory,
                                                                     self.slot_bytes)
         # Pre-touch: one write per page so the first put does not take page faults.
-        np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        if not lazy:
+            np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        # A lazy arena is left untouched (see "Lazy arena" above).
+        self.lazy = lazy
+        self._base = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data  # page-aligned (mmap)
+        if lazy:  # fail here, not at the first eviction, where the kernel refuses MADV_REMOVE
+            _remove_pages(self._base, mmap.PAGESIZE)
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
+        # Free slots that kept their pages for a put about to come (taken before ``_free``).
+        self._warm: list[int] = []
         self._readers = [0] * self.slots
         self._writing: set[int] = set()  # slots handed to an in-flight put copy
         self._retired: set[int] = set()  # unmapped slots still being read
         self._used = 0
 
     # --- slot bookkeeping (lock held) ---------------------------------------------------------
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, reuse: bool = False) -> None:
+        """An unmapped slot goes back to the free list, or is retired while it is read.
+        ``reuse``: a put takes it next, so it keeps its pages (``_warm``)."""
         if self._readers[slot]:
             self._retired.add(slot)
+        elif reuse:
+            self._warm.append(slot)
         else:
-            self._free.append(slot)
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """Free ``slot``; a lazy arena also returns the pages wholly inside it to the OS (a
+        page shared with a neighbouring slot may hold that slot's live bytes, so it stays).
+        Under the lock: no put can be copying into the slot and no reader holds it, so
+        zero-filled pages are never seen by anyone."""
+        self._free.append(slot)
+        if self.lazy:
+            off = slot * self.slot_bytes
+            start = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (off + self.slot_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                _remove_pages(self._base + start, end - start)
 
     def _unmap(self, key: bytes) -> bool:
         old = self._map.pop(key, None)
@@ -98,20 +138,26 @@ class CpuTier(BoundedTier):
         self._release(old[0])
         return True
 
+    def _evict_one(self, evicted: list[tuple[bytes, bytes]], want_data: bool, reuse: bool) -> int | None:
+        """Evict the policy's next victim; its length, or None when nothing is evictable."""
+        try:
+            victim = self._pick_victim()
+        except NothingToEvict:
+            return None
+        slot, length = self._map.pop(victim)
+        if want_data:
+            off = slot * self.slot_bytes
+            evicted.append((victim, bytes(self._arena[off : off + length])))
+        self._used -= length
+        self._remember_evicted(victim)
+        self._release(slot, reuse)
+        return length
+
     def _take_slot(self, evicted: list[tuple[bytes, bytes]], want_data: bool) -> int | None:
-        while not self._free:
-            try:
-                victim = self._pick_victim()
-            except NothingToEvict:
+        while not self._warm and not self._free:
+            if self._evict_one(evicted, want_data, reuse=True) is None:
                 return None
-            slot, length = self._map.pop(victim)
-            if want_data:
-                off = slot * self.slot_bytes
-                evicted.append((victim, bytes(self._arena[off : off + length])))
-            self._used -= length
-            self._remember_evicted(victim)
-            self._release(slot)
-        return self._free.pop()
+        return self._warm.pop() if self._warm else self._free.pop()
 
     def _acquire(self, key: bytes) -> tuple[int, int] | Miss:
         """Look ``key`` up and register a reader on its slot (lock held)."""
@@ -126,7 +172,7 @@ class CpuTier(BoundedTier):
         self._readers[slot] -= 1
         if not self._readers[slot] and slot in self._retired:
             self._retired.discard(slot)
-            self._free.append(slot)
+            self._free_slot(slot)
 
     # --- verbs ----------------------------------------------------------------------------------
     def _probe(self, keys: Sequence[bytes]) -> Probe:
@@ -209,11 +255,39 @@ class CpuTier(BoundedTier):
         check_keys([e.key for e in entries])
         evicted: list[tuple[bytes, bytes]] = []
         results = [self._put_one(e, evicted) for e in entries]
+        self._notify(evicted)
+        return results
+
+    def shed(self, nbytes: int, reuse: bool = False) -> int:
+        """Evict chunks in policy order until at least ``nbytes`` chunk bytes are freed or
+        nothing evictable is left (pinned chunks stay); returns the chunk bytes freed. For an
+        owner that shares one RAM budget among several tiers (kvtier-server's tenant pool); on
+        a lazy arena the freed slots' pages go back to the OS (a slot still being read keeps
+        them until its last reader leaves). ``reuse``: the caller is about to put about
+        ``nbytes`` into this very tier, so the freed slots keep their pages for that put (a
+        fresh page costs a fault and zeroing: a steady-state put would be several times
+        slower); only the latest such shed's slots are kept, earlier ones' pages go back
+        first, so at most one shed's worth of free slots stays resident. Evictions count in
+        ``usage().evictions`` and reach the evict listener as a put's do. Any thread."""
+        evicted: list[tuple[bytes, bytes]] = []
+        freed = 0
+        with self._lock:
+            want_data = self.evict_listener is not None
+            while self._warm:
+                self._free_slot(self._warm.pop())
+            while freed < nbytes:
+                length = self._evict_one(evicted, want_data, reuse=reuse)
+                if length is None:
+                    break
+                freed += length
+        self._notify(evicted)
+        return freed
+
+    def _notify(self, evicted: list[tuple[bytes, bytes]]) -> None:
         listener = self.evict_listener
         if listener is not None:
             for key, value in evicted:
                 listener(key, value)
-        return results
 
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
@@ -232,12 +306,12 @@ class CpuTier(BoundedTier):
         except BaseException:
             with self._lock:
                 self._writing.discard(slot)
-                self._free.append(slot)
+                self._free_slot(slot)
             raise
         with self._lock:
             self._writing.discard(slot)
             if self._closed:
-                self._free.append(slot)
+                self._free_slot(slot)
                 return False
             self._unmap(e.key)  # overwrite: the old slot is released (or retired if read)
             self._map[e.key] = (slot, length)
@@ -259,12 +333,12 @@ class CpuTier(BoundedTier):
         with self._lock:
             problems: list[str] = []
             used_slots = [slot for slot, _ in self._map.values()]
-            every = self._free + used_slots + list(self._writing) + list(self._retired)
+            every = self._free + self._warm + used_slots + list(self._writing) + list(self._retired)
             if len(every) != self.slots:
-                problems.append(f"free {len(self._free)} + used {len(used_slots)} + writing "
-                                f"{len(self._writing)} + retired {len(self._retired)} != {self.slots} slots")
+                problems.append(f"free {len(self._free)} + warm {len(self._warm)} + used {len(used_slots)} + "
+                                f"writing {len(self._writing)} + retired {len(self._retired)} != {self.slots} slots")
             if len(set(every)) != len(every):
-                problems.append("a slot is listed twice (free, used, writing or retired)")
+                problems.append("a slot is listed twice (free, warm, used, writing or retired)")
             used = sum(length for _, length in self._map.values())
             if used != self._used:
                 problems.append(f"used_bytes {self._used} != sum of chunk lengths {used}")
@@ -285,3 +359,16 @@ class CpuTier(BoundedTier):
             for key in list(self._map):
                 self._unmap(key)
 
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _remove_pages(addr: int, nbytes: int) -> None:
+    """Free the pages of ``[addr, addr + nbytes)`` (page-aligned) and their backing store: the
+    arena is a shared anonymous mapping (shmem), where ``MADV_REMOVE`` punches a hole (the next
+    write faults in a zeroed page) and ``MADV_DONTNEED`` would only unmap the pages, leaving
+    the memory allocated. Raises OSError when the kernel refuses."""
+    if _libc.madvise(addr, nbytes, mmap.MADV_REMOVE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_REMOVE) of {nbytes} bytes refused (errno {err})")

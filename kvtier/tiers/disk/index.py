@@ -130,10 +130,11 @@ class DiskIndex(BoundedTier):
                 freed += victim[1]
         self._finish(pending)
 
-    def shed(self, nbytes: int) -> int:
+    def shed(self, nbytes: int, reuse: bool = False) -> int:
         """Evict chunks (policy order) until at least ``nbytes`` are freed or nothing is left;
         returns the bytes freed. For an owner that shares one budget among several tiers
-        (kvtier-server's tenant pool). Lock NOT held; thread-safe."""
+        (kvtier-server's tenant pool). ``reuse`` (a put into this tier follows) changes
+        nothing here: a file's space is freed either way. Lock NOT held; thread-safe."""
         pending = Pending()
         freed = 0
         with self._lock:

@@ -1,0 +1,65 @@
+"""Put throughput of the server's lazily backed RAM arena against the pre-touched one, in one run.
+
+    python bench/cpu_lazy.py [--quick] [--reps N]
+
+A full tier of 1 MiB slots takes a stream of 1 MiB puts in three ways: the library's
+pre-touched arena evicting for itself; a lazy arena (``CpuTier(..., lazy=True)``, what
+kvtier-server builds) where the pool sheds the putting tenant's own chunks first
+(``shed(reuse=True)``: the slot keeps its pages); and a lazy arena where the pages go back to
+the OS before the put (``shed()``: what another tenant's put costs, a fault and zeroing per
+page). Figures are GiB/s over --reps runs, min/median/max; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from kvtier.config import CpuTierConfig
+from kvtier.tiers.base import Entry
+from kvtier.tiers.cpu import CpuTier
+
+SLOT = 1 << 20
+
+
+def one_run(slots: int, lazy: bool, shed: bool, reuse: bool) -> float:
+    data = bytes(range(256)) * (SLOT // 256)
+    keys = [i.to_bytes(32, "little") for i in range(2 * slots)]
+    tier = CpuTier(CpuTierConfig(capacity_bytes=slots * SLOT, slot_bytes=SLOT, pin_memory="never"), lazy=lazy)
+    try:
+        assert all(tier.put([Entry(k, data) for k in keys[:slots]]))  # full
+        start = time.perf_counter()
+        for key in keys[slots:]:
+            if shed:
+                tier.shed(SLOT, reuse=reuse)
+            tier.put([Entry(key, data)])
+        return slots * SLOT / (time.perf_counter() - start) / 2**30
+    finally:
+        tier.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="32 slots instead of 256")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    slots = 32 if args.quick else 256
+    modes = {"pretouched_self_evict": (False, False, False), "lazy_shed_reuse": (True, True, True),
+             "lazy_shed_fresh_pages": (True, True, False)}
+    out: dict[str, float] = {}
+    for name, (lazy, shed, reuse) in modes.items():
+        runs = [one_run(slots, lazy, shed, reuse) for _ in range(args.reps)]
+        med = statistics.median(runs)
+        print(f"{name}: put GiB/s min {min(runs):.2f} median {med:.2f} max {max(runs):.2f}")
+        out[f"{name}_gibps"] = round(med, 3)
+    out["lazy_reuse_vs_pretouched"] = round(out["lazy_shed_reuse_gibps"] / out["pretouched_self_evict_gibps"], 3)
+    out["lazy_fresh_vs_pretouched"] = round(out["lazy_shed_fresh_pages_gibps"] / out["pretouched_self_evict_gibps"], 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
