@@ -23,7 +23,11 @@ includes the fresh ``bytes`` kvtier's ``get`` allocates; ``socket_get_into_vs_tc
 ``shm_get_into_vs_memcpy`` compare buffer with buffer. ``shm_*_vs_redis`` / ``shm_*_vs_tcp`` are what the old headline keys
 ``get_vs_redis`` ... measured (the client's default path on loopback is shm, whose bytes never
 cross a socket): kept, named for what they compare; ``*_vs_tcp_asyncio`` and
-``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view. ``gbps`` holds every raw figure.
+``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view.
+``socket_{get,put}_vs_lmcache`` and ``shm_get_vs_lmcache`` compare with LMCache's ``lm://``
+server driven by the same workers (pipelined GETs into preallocated buffers;
+bench/peer_lmcache.py), skipped with a message when lmcache is not installed (not a CI
+dependency). ``gbps`` holds every raw figure.
 """
 
 from __future__ import annotations
@@ -90,6 +94,12 @@ class _Client:
             else:  # as shipped: hiredis, default settings
                 self.redis = redis.Redis(host="127.0.0.1", port=addr["redis"], socket_timeout=60)
             self.mapping = dict(zip(self.keys, self.values))
+        elif system == "lmcache":  # LMCache's lm:// server (bench/peer_lmcache.py)
+            from peer_lmcache import LMCacheClient
+
+            self.lm = LMCacheClient(addr["lmcache"])
+            self.lm_ids = [int.from_bytes(k[:8], "little") for k in self.keys]
+            self.outs = [memoryview(bytearray(len(v))) for v in self.values]
         else:  # "tcp" (the socket ceiling) or "memcpy" (the shared-memory ceiling)
             port = addr["tcp"][1 if path == "asyncio" else 0]
             self.loop = LoopbackClient(port, self.values)
@@ -99,6 +109,9 @@ class _Client:
             assert all(self.tier.put(self.entries))
         elif self.system == "redis":
             self.redis.mset(self.mapping)
+        elif self.system == "lmcache":
+            for i, v in zip(self.lm_ids, self.values):
+                self.lm.put(i, memoryview(v))
         elif self.system == "tcp":
             self.loop.tcp_put()
         else:
@@ -110,6 +123,8 @@ class _Client:
             assert all(not hasattr(g, "reason") for g in got), got
         elif self.system == "redis":
             assert all(v is not None for v in self.redis.mget(self.keys))
+        elif self.system == "lmcache":  # into preallocated buffers either way, pipelined
+            assert self.lm.get_many_into(self.lm_ids, self.outs) == len(self.lm_ids)
         elif self.system == "tcp":
             self.loop.tcp_get()
         else:
@@ -195,7 +210,7 @@ def label(system: str, path: str, op: str, size_name: str, clients: int) -> str:
     return f"{system}{'-' + path if path != '-' else ''} {op} {size_name} x{clients}"
 
 
-def run_plan(quick: bool, tuned: bool) -> dict[tuple[str, int], list[tuple[str, str, str]]]:
+def run_plan(quick: bool, tuned: bool, lmcache: bool = False) -> dict[tuple[str, int], list[tuple[str, str, str]]]:
     """(size, clients) -> figures to take. The headline figures (kvtier's socket path against
     the TCP ceiling and tuned redis-py, kvtier's shm path against the memcpy ceiling; put and
     get) at every size and client count; the rest (get_into, the gRPC path, redis-py as
@@ -206,6 +221,7 @@ def run_plan(quick: bool, tuned: bool) -> dict[tuple[str, int], list[tuple[str, 
     extra = [("kvtier", "shm", "get_into"), ("kvtier", "socket", "get_into"), ("kvtier", "grpc", "put"),
              ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
              ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get")]
+    extra += [("lmcache", "-", "put"), ("lmcache", "-", "get")] if lmcache else []
     plan = {}
     for size_name in SIZES:
         for clients in CLIENTS:
@@ -237,6 +253,12 @@ def main() -> None:
     kv_proc, kv_addr = start_kvtier(work)
     tcp_proc, tcp_port = start_tcp(work)
     rs = RedisServer().start()
+    from peer_lmcache import lmcache_python, start_server
+
+    lm_python = lmcache_python()
+    lm_proc = None
+    if lm_python is None:
+        print("lmcache not installed (see bench/peer_lmcache.py): the *_vs_lmcache figures are skipped")
     ctx = mp.get_context("spawn")  # grpc does not survive fork
     pipes, procs = [], []
     try:
@@ -245,13 +267,15 @@ def main() -> None:
         default_path = data.kind if data is not None else "grpc"
         probe.close()
         addr = {"kvtier": kv_addr, "redis": rs.port, "tcp": tcp_port}
+        if lm_python is not None:
+            lm_proc, addr["lmcache"] = start_server(lm_python)
         for wid in range(max(CLIENTS)):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker, args=(wid, addr, theirs), daemon=True)
             proc.start()
             pipes.append(mine)
             procs.append(proc)
-        plan = run_plan(args.quick, tuned_redis_available())
+        plan = run_plan(args.quick, tuned_redis_available(), lm_proc is not None)
         results: dict[str, list[float]] = {}
         print(f"kvtier-server {kv_addr} (client default data path: {default_path}), "
               f"redis {rs.port}, tcp/asyncio {tcp_port}; {seconds}s windows x {reps} reps; batches of 8 MiB")
@@ -272,6 +296,8 @@ def main() -> None:
         kv_proc.terminate()
         kv_proc.wait(20)
         tcp_proc.terminate()
+        if lm_proc is not None:
+            lm_proc.terminate()
         rs.stop()
     med = {k: Stats.of(v).median for k, v in results.items()}
 
@@ -311,6 +337,11 @@ def main() -> None:
         "grpc_put_vs_redis_tuned": ("kvtier-grpc put", "redis-tuned put"),
         "redis_tuned_get_vs_tcp": ("redis-tuned get", "tcp get"),
         "redis_tuned_put_vs_tcp": ("redis-tuned put", "tcp put"),
+        # a bare peer server (LMCache's lm://: a dict, no eviction, auth or checksums), both
+        # sides receiving into preallocated buffers (None when lmcache is not installed)
+        "socket_get_vs_lmcache": ("kvtier-socket get_into", "lmcache get"),
+        "socket_put_vs_lmcache": ("kvtier-socket put", "lmcache put"),
+        "shm_get_vs_lmcache": ("kvtier-shm get_into", "lmcache get"),
     }
     out: dict[str, Any] = {key: ratio(a + at, b + at) for key, (a, b) in pairs.items()}
     out.update({

@@ -129,13 +129,13 @@ class CpuTier(BoundedTier):
             if end > start:
                 _remove_pages(self._base + start, end - start)
 
-    def _unmap(self, key: bytes) -> bool:
+    def _unmap(self, key: bytes, reuse: bool = False) -> bool:
         old = self._map.pop(key, None)
         if old is None:
             return False
         self._used -= old[1]
         self.policy.remove(key)
-        self._release(old[0])
+        self._release(old[0], reuse)
         return True
 
     def _evict_one(self, evicted: list[tuple[bytes, bytes]], want_data: bool, reuse: bool) -> int | None:
@@ -313,7 +313,9 @@ class CpuTier(BoundedTier):
             if self._closed:
                 self._free_slot(slot)
                 return False
-            self._unmap(e.key)  # overwrite: the old slot is released (or retired if read)
+            # Overwrite: the old slot is released (or retired if read) and kept warm, since it
+            # just replaced itself with a slot this put took: rewriting keys never faults.
+            self._unmap(e.key, reuse=True)
             self._map[e.key] = (slot, length)
             self._used += length
             self._forget_evicted(e.key)
