@@ -135,17 +135,41 @@ def encode_chunk(
         raise ChunkError("layout_mismatch", f"payload has {view.nbytes} bytes, shape {shape} of {dtype} needs {expect}")
     stored = compress(codec, view, shuffle_itemsize=itemsize if shuffle else 0)
     stored_len = memoryview(stored).nbytes
+    out = page_aligned_buffer(HEADER_SIZE + stored_len)
+    out[HEADER_SIZE:] = stored
+    _write_header(out, namespace, key, code, shape, codec, shuffle, expect, stored_len)
+    return out
+
+
+def frame_raw_chunk(out: memoryview, namespace: bytes, key: bytes, dtype: str, shape: Shape) -> memoryview:
+    """Frame a raw-codec chunk in place: ``out[HEADER_SIZE:]`` already holds the payload
+    (``shape`` of ``dtype``, C order); the header is written in front of it. Returns the chunk,
+    ``out`` trimmed to header + payload. For callers that copy K/V straight from an engine's
+    buffer into a reusable (page-aligned) chunk buffer: no payload copy here, no allocation."""
+    code, itemsize = DTYPES.get(dtype, (0, 0))
+    if not code:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES:
+        raise ValueError(f"namespace and key must be {KEY_BYTES} bytes each")
+    raw = math.prod(shape) * itemsize
+    if out.nbytes < HEADER_SIZE + raw:
+        raise ValueError(f"chunk buffer of {out.nbytes} bytes cannot hold {HEADER_SIZE + raw}")
+    chunk = out[: HEADER_SIZE + raw]
+    _write_header(chunk, namespace, key, code, shape, Codec.RAW, False, raw, raw)
+    return chunk
+
+
+def _write_header(out: memoryview, namespace: bytes, key: bytes, code: int, shape: Shape,
+                  codec: Codec, shuffle: bool, raw_len: int, stored_len: int) -> None:
+    """Write the header of the chunk whose stored payload is ``out[HEADER_SIZE:]``."""
     layers, kv, tokens, heads, head_dim = (int(d) for d in shape)
     head = _HEAD.pack(
         MAGIC, VERSION, int(codec), FLAG_SHUFFLE if shuffle else 0, code, kv, 0, 0,
-        layers, tokens, heads, head_dim, namespace, key, expect, stored_len,
-        xxhash.xxh3_64_intdigest(stored),
+        layers, tokens, heads, head_dim, namespace, key, raw_len, stored_len,
+        xxhash.xxh3_64_intdigest(out[HEADER_SIZE : HEADER_SIZE + stored_len]),
     )
-    out = page_aligned_buffer(HEADER_SIZE + stored_len)
     out[: _HEAD.size] = head
     out[_HEAD.size : HEADER_SIZE] = _CHECK.pack(xxhash.xxh3_64_intdigest(head))
-    out[HEADER_SIZE:] = stored
-    return out
 
 
 def decode_header(data: Buf) -> ChunkHeader:

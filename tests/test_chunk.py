@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.chunk import HEADER_SIZE, decode_chunk, decode_header, encode_chunk
+from kvtier.chunk import (
+    HEADER_SIZE,
+    decode_chunk,
+    decode_header,
+    encode_chunk,
+    frame_raw_chunk,
+    page_aligned_buffer,
+)
 from kvtier.codec import Codec, compress, decompress, shuffle, unshuffle
 from kvtier.errors import ChunkError
 
@@ -119,3 +126,17 @@ def test_encoded_chunks_are_page_aligned_and_writable() -> None:
 
     data = _encoded()
     assert np.frombuffer(data, np.uint8).ctypes.data % 4096 == 0 and not data.readonly
+
+
+def test_frame_raw_chunk_in_place_equals_encode_chunk_and_refuses_a_short_buffer() -> None:
+    ns, key, shape = b"n" * 32, b"k" * 32, (2, 2, 4, 3, 8)
+    payload = np.random.default_rng(3).integers(0, 255, 2 * 2 * 4 * 3 * 8 * 2, dtype=np.uint8)
+    buf = page_aligned_buffer(HEADER_SIZE + payload.size + 4096)
+    buf[HEADER_SIZE:HEADER_SIZE + payload.size] = payload.tobytes()
+    framed = frame_raw_chunk(buf, ns, key, "bfloat16", shape)
+    assert bytes(framed) == bytes(encode_chunk(ns, key, "bfloat16", shape, payload.tobytes()))
+    assert bytes(decode_chunk(framed, key=key, shape=shape).payload) == payload.tobytes()
+    with pytest.raises(ValueError, match="cannot hold"):
+        frame_raw_chunk(page_aligned_buffer(HEADER_SIZE + 8), ns, key, "bfloat16", shape)
+    with pytest.raises(ValueError, match="unsupported KV dtype"):
+        frame_raw_chunk(buf, ns, key, "float64", shape)

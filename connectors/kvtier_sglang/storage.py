@@ -16,8 +16,11 @@ Contract (what SGLang relies on):
   ``False``, a warning log line and a counter (``kvtier_stats()``), so SGLang's threads live on.
   A page that fails verification (checksum, namespace, key, shape) is refused, deleted and
   reported ``False``; it is never copied into the host pool.
-- Pages are copied straight between the host pool's buffer and the store in kvtier's canonical
-  chunk order (pages.py): one strided copy per page, whatever the host layout.
+- Pages are copied between the host pool's buffer and the store in kvtier's canonical chunk
+  order (pages.py), through reusable page-aligned chunk buffers of the calling thread
+  (buffers.py): a read lands in them (``load_verified_into``: O_DIRECT in place on disk), is
+  verified there and copied into the pool once; a raw-codec write copies the page into one and
+  frames the chunk around it. No allocation per page on either path.
 
 Threads: SGLang calls from its prefetch, backup and scheduler threads concurrently; the store
 and PrefixCache are thread-safe, the host buffer regions of concurrent calls are disjoint
@@ -40,11 +43,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.cache import PrefixCache
-from kvtier.chunk import encode_chunk
+from kvtier.chunk import HEADER_SIZE, encode_chunk, frame_raw_chunk, page_aligned_buffer
+from kvtier.codec import Codec
 from kvtier.errors import KVTierError
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 
+from .buffers import ThreadBuffers
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
 from .settings import load_settings
@@ -77,6 +82,7 @@ class KVTierStorage(HiCacheStorage):
         self._cache: PrefixCache | None = None
         self._geo: PageGeometry | None = None
         self._buffer: torch.Tensor | None = None
+        self._bufs: ThreadBuffers | None = None
         self._written: set[bytes] = set()
         self._written_lock = threading.Lock()
         self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
@@ -101,6 +107,7 @@ class KVTierStorage(HiCacheStorage):
                                   tenant=cfg.tenant)
         self.namespace = spec.namespace_id()
         self._geo, self._buffer = geo, mem_pool_host.kv_buffer
+        self._bufs = ThreadBuffers(geo.page_bytes)
         log.info("kvtier_sglang: %s %s pages of %d tokens, namespace %s (%s rank %d/%d), tiers %s",
                  "MLA" if geo.is_mla else "MHA", geo.layout, geo.page_tokens,
                  self.namespace.hex()[:16], spec.model_id, spec.rank, spec.world_size,
@@ -110,6 +117,11 @@ class KVTierStorage(HiCacheStorage):
         if self._cache is None or self._geo is None or self._buffer is None:
             raise RuntimeError("kvtier_sglang: no host pool registered (register_mem_pool_host)")
         return self._cache, self._geo, self._buffer
+
+    def _thread_buffers(self) -> ThreadBuffers:
+        if self._bufs is None:
+            raise RuntimeError("kvtier_sglang: no host pool registered (register_mem_pool_host)")
+        return self._bufs
 
     def _fail(self, verb: str, n: int, exc: BaseException) -> None:
         self.stats.add(f"{verb}_errors")
@@ -141,11 +153,23 @@ class KVTierStorage(HiCacheStorage):
         try:
             cache, geo, buffer = self._ready()
             slots = page_slots(host_indices, len(keys), geo.page_tokens)
-            run = cache.load_verified(store_keys(self.namespace, keys), [(0, geo.page_tokens)] * len(keys))
-            for i, payload in enumerate(run.payloads):
-                dst = as_bytes(page_view(geo, buffer, slots[i]))
-                np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
-                out[i] = True
+            xkeys = store_keys(self.namespace, keys)
+            bufs = self._thread_buffers()
+            pos = 0
+            while pos < len(keys):
+                # Read a batch into this thread's buffers, verified there; then one strided copy
+                # per page into the pool. A missing or refused page ends the leading run.
+                batch = bufs.batch(len(keys) - pos)
+                hi = pos + len(batch)
+                run = cache.load_verified_into(xkeys[pos:hi], [(0, geo.page_tokens)] * len(batch),
+                                               batch, pos)
+                for j, payload in enumerate(run.payloads):
+                    dst = as_bytes(page_view(geo, buffer, slots[pos + j]))
+                    np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+                    out[pos + j] = True
+                if len(run.payloads) < len(batch):
+                    break
+                pos = hi
         except _FAILURES as exc:
             self._fail("get", len(keys), exc)
         done = sum(out)
@@ -169,46 +193,68 @@ class KVTierStorage(HiCacheStorage):
             present = cache.store.lookup(xkeys).hits
             prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
             parent = store_keys(self.namespace, prefix[-1:])
-            entries = self._encode(cache, geo, [page_view(geo, buffer, s) for s in slots[present:]],
-                                   xkeys, present, len(prefix), parent[0] if parent else b"")
-            accepted = cache.store.store(entries)
+            views = [page_view(geo, buffer, s) for s in slots[present:]]
+            accepted = self._store_pages(cache, geo, views, xkeys, present, len(prefix),
+                                         parent[0] if parent else b"")
         except _FAILURES as exc:
             self._fail("set", len(keys), exc)
             return [False] * len(keys)
-        self._track(entries)
-        ok = accepted == len(entries)
+        ok = accepted == len(keys) - present
         if not ok:
-            self._fail("set", len(entries) - accepted, RuntimeError("the first tier refused pages"))
+            self._fail("set", len(keys) - present - accepted, RuntimeError("the first tier refused pages"))
         self.stats.add("pages_already_stored", present)
         self.stats.wrote(accepted, accepted * geo.page_bytes, time.perf_counter() - t0)
         return [True] * present + [ok] * (len(keys) - present)
 
-    def _encode(self, cache: PrefixCache, geo: PageGeometry, views: list[torch.Tensor],
-                xkeys: list[bytes], first: int, depth0: int, parent0: bytes) -> list[Entry]:
-        """Chunks of pages ``first..`` (``views[j]`` is page ``first + j``): each page is copied
-        into this thread's canonical scratch page (reused: fresh memory would cost page faults
-        on every write), which ``encode_chunk`` frames into the chunk the store takes."""
+    def _store_pages(self, cache: PrefixCache, geo: PageGeometry, views: list[torch.Tensor],
+                     xkeys: list[bytes], first: int, depth0: int, parent0: bytes) -> int:
+        """Store pages ``first..`` (``views[j]`` is page ``first + j``) in batches; returns how
+        many the first tier accepted. Raw codec: each page is copied once, straight from the
+        pool into a chunk buffer, and framed there. The buffers are this thread's reusable ones
+        when the store keeps no reference after ``store`` returns (tiers copy what they keep;
+        only a write-through cascade queues the entries for the lower tiers), else fresh ones
+        the store takes over. Other codecs compress from a reused canonical scratch page."""
         if not views:
-            return []
+            return 0
+        store = cache.store
+        raw = cache.codec == Codec.RAW and not cache.shuffle
+        reuse = raw and not (len(store.tiers) > 1 and store.config.write_policy == "write_through")
+        bufs = self._thread_buffers()
         shape = cache.spec.layout.chunk_shape(geo.page_tokens)
-        scratch = self._scratch_page(as_bytes(views[0]).shape)
-        entries = []
-        for j, view in enumerate(views):
-            i = first + j
-            np.copyto(scratch, as_bytes(view))
-            data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape, scratch.data,
-                                codec=cache.codec, shuffle=cache.shuffle)
-            entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
-        return entries
+        accepted, j = 0, 0
+        while j < len(views):
+            n = min(bufs.per_batch, len(views) - j)
+            if reuse:
+                batch = bufs.batch(n)
+            else:
+                batch = [page_aligned_buffer(HEADER_SIZE + geo.page_bytes) for _ in range(n if raw else 0)]
+            entries = []
+            for k in range(n):
+                i = first + j + k
+                src = as_bytes(views[j + k])
+                if raw:
+                    body = np.frombuffer(batch[k], np.uint8, count=src.size, offset=HEADER_SIZE)
+                    np.copyto(body.reshape(src.shape), src)
+                    data = frame_raw_chunk(batch[k], self.namespace, xkeys[i], cache.spec.kv_dtype, shape)
+                else:
+                    scratch = self._scratch_page(src.shape)
+                    np.copyto(scratch, src)
+                    data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape,
+                                        scratch.data, codec=cache.codec, shuffle=cache.shuffle)
+                entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
+            accepted += store.store(entries)
+            self._track([e.key for e in entries])
+            j += n
+        return accepted
 
-    def _track(self, entries: list[Entry]) -> None:
+    def _track(self, keys: list[bytes]) -> None:
         with self._written_lock:
             room = _MAX_TRACKED - len(self._written)
-            if room < len(entries) and not self.stats.snapshot().get("untracked_pages"):
+            if room < len(keys) and not self.stats.snapshot().get("untracked_pages"):
                 log.warning("kvtier_sglang: tracking %d pages for clear(); newer pages are not "
                             "tracked", _MAX_TRACKED)
-            self._written.update(e.key for e in entries[:max(room, 0)])
-        self.stats.add("untracked_pages", max(len(entries) - max(room, 0), 0))
+            self._written.update(keys[:max(room, 0)])
+        self.stats.add("untracked_pages", max(len(keys) - max(room, 0), 0))
 
     def _scratch_page(self, shape: tuple[int, ...]) -> np.ndarray:
         page = getattr(self._local, "page", None)
@@ -261,14 +307,12 @@ class KVTierStorage(HiCacheStorage):
             dims = geo.buffer_dims(geo.page_tokens)
             xkeys = store_keys(self.namespace, keys)
             views = [page_view(geo, v.reshape(dims), 0) for v in values]
-            entries = self._encode(cache, geo, views, xkeys, 0, 0, b"")
-            accepted = cache.store.store(entries)
+            accepted = self._store_pages(cache, geo, views, xkeys, 0, 0, b"")
         except _FAILURES as exc:
             self._fail("set", len(keys), exc)
             return False
-        self._track(entries)
         self.stats.wrote(accepted, accepted * geo.page_bytes, 0.0)
-        return accepted == len(entries)
+        return accepted == len(keys)
 
     # --- lifecycle, stats ------------------------------------------------------------------------
     def clear(self) -> None:

@@ -297,3 +297,29 @@ def test_bad_config_fails_the_attach_with_a_named_field() -> None:
     cfg.should_split_heads = True
     with pytest.raises(ConfigError, match="tp_lcm_size"):
         StorageBackendFactory.create_backend("dynamic", cfg, host)
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
+def test_requests_larger_than_a_buffer_batch_stream_through_reused_buffers(tmp_path: Path, tiers: str) -> None:
+    """A request spanning several of the thread's buffer batches restores every page exactly
+    (cpu only: reused write buffers; cpu+disk write-through: fresh ones the queue keeps), and a
+    page missing in a later batch ends the run there."""
+    _, host = mha_pools("page_head")
+    extra = {} if tiers == "cpu" else {"disk": {"enabled": True, "path": str(tmp_path)}}
+    be = make(host, "page_head", extra)
+    assert be._bufs is not None and be._store is not None
+    be._bufs.per_batch = 3  # batches of 3 pages: 10 pages cross three batch boundaries
+    keys = keys_for(list(range(7, 7 + 10 * PAGE)))
+    src = host.alloc(10 * PAGE)
+    fill_random(host, seed=5)
+    ref = pages_of(host, src, PAGE)
+    assert be.batch_set_v1(keys, src) == [True] * 10
+    assert be._store.flush(10)
+    if tiers == "cpu+disk":  # the disk copies must be the pages too (not a reused buffer's last bytes)
+        be._store.tiers[0].delete(be_keys(be, keys))
+    dst = host.alloc(10 * PAGE)
+    assert be.batch_get_v1(keys, dst) == [True] * 10
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(host, dst, PAGE), ref))
+    be._store.delete(be_keys(be, keys[7:8]))
+    assert be.batch_get_v1(keys, host.alloc(10 * PAGE)) == [True] * 7 + [False] * 3
+    be.close()

@@ -1,0 +1,44 @@
+"""Reusable page-aligned chunk buffers, one set per calling thread.
+
+Why: a fresh ``bytes`` (or buffer) per page costs page faults on every call, which on these
+machines is most of a page's read or write time. SGLang calls the backend from a few long-lived
+threads (prefetch IO, backup, scheduler), so each thread keeps one batch of chunk-sized,
+page-aligned buffers (``kvtier.chunk.page_aligned_buffer``: the disk tier reads/writes them with
+O_DIRECT in place) and reuses them for every call; a request larger than one batch is streamed
+through them batch by batch.
+
+Ownership: a thread's buffers are valid until that thread's next ``batch`` call; nothing here is
+shared between threads (``threading.local``), so no lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvtier.chunk import HEADER_SIZE, PAGE, page_aligned_buffer
+
+BATCH_BYTES = 8 << 20  # chunk bytes per batch: streams large requests, keeps a thread's set small
+
+
+def chunk_buffer_bytes(page_bytes: int) -> int:
+    """Room for one page chunk, encoded with any codec (lz4 and zstd can grow incompressible
+    data by ~1/255), rounded to whole pages."""
+    return -(-(HEADER_SIZE + page_bytes + page_bytes // 255 + 64) // PAGE) * PAGE
+
+
+class ThreadBuffers:
+    """Per-thread batches of chunk buffers for pages of ``page_bytes`` raw bytes."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.size = chunk_buffer_bytes(page_bytes)
+        self.per_batch = max(1, BATCH_BYTES // self.size)
+        self._local = threading.local()
+
+    def batch(self, n: int) -> list[memoryview]:
+        """``min(n, per_batch)`` buffers of ``size`` bytes owned by the calling thread."""
+        have: list[memoryview] = getattr(self._local, "bufs", None) or []
+        want = min(n, self.per_batch)
+        if len(have) < want:
+            have = have + [page_aligned_buffer(self.size) for _ in range(want - len(have))]
+            self._local.bufs = have
+        return have[:want]
