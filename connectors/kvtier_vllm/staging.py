@@ -45,6 +45,8 @@ class StagingPool:
         self.slot_bytes = self.chunk_bytes if slot_bytes is None else slot_bytes
         self.slots = max_bytes // self.slot_bytes if self.slot_bytes else 0
         raw = alloc(self.slots * self.slot_bytes)
+        self._alloc = raw  # the allocation itself stays referenced (views alone may not keep a
+        # simulated device's registration, or an owner's mapping, alive)
         self._raw = raw.view(self.slots, self.slot_bytes) if self.slots else None
         self._free = list(range(self.slots - 1, -1, -1))
         self._pending: list[tuple[list[int], Done]] = []

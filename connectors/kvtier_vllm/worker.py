@@ -147,13 +147,15 @@ class WorkerSide:
         log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
                  len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
 
-    def use_copier(self, copier: Copier, staging_bytes: int | None = None) -> None:
+    def use_copier(self, copier: Copier, staging_bytes: int | None = None,
+                   restore_bytes: int | None = None) -> None:
         """Restore and capture through ``copier``, with fresh staging pools (tests put the
         worker on the simulated device this way; call before the first step)."""
         self.copier = copier
         nbytes = self.settings.save_staging_bytes if staging_bytes is None else staging_bytes
         self.pool = StagingPool(nbytes, self.chunk_shape, self.torch_dtype, copier.host_buffer)
-        self.restore_bufs = RestoreBuffers(self.settings.restore_staging_bytes, self.chunk_shape,
+        rbytes = self.settings.restore_staging_bytes if restore_bytes is None else restore_bytes
+        self.restore_bufs = RestoreBuffers(rbytes, self.chunk_shape,
                                            self.torch_dtype, copier.host_buffer, self._count_pageable)
         self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
                                    self.info.block_size, self.stats)
