@@ -17,17 +17,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
 
-from kvtier.cache import PrefixCache
-from kvtier.keys import KVLayout, NamespaceSpec
-from kvtier.prefetch import LoadedRange, Prefetcher
-from kvtier.store import TieredStore
-from kvtier.tiers.memory import MemoryTier
 from kvtier_vllm.blocks import detect_layout, kv_views
 from kvtier_vllm.copier import RestoreItem
 from kvtier_vllm.devcopier import DeviceCopier
 from kvtier_vllm.restorebufs import RestoreBuffers
 from kvtier_vllm.simdevice import SimDevice
 from kvtier_vllm.staging import StagingPool
+
+from kvtier.cache import PrefixCache
+from kvtier.keys import KVLayout, NamespaceSpec
+from kvtier.prefetch import LoadedRange, Prefetcher
+from kvtier.store import TieredStore
+from kvtier.tiers.memory import MemoryTier
 
 B, N, W, LAYERS, PER = 64, 4, 16, 4, 2  # blocks, block size, latent width, layers, blocks a chunk
 
