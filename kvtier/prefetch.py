@@ -51,6 +51,9 @@ class LoadedRange:
     reason: str = ABSENT
     nbytes: int = 0
     seconds: float = 0.0
+    # Opaque handle of caller-owned buffers the payloads view (``load_range(outs=...)``): whoever
+    # supplied them releases them; ``Prefetcher(on_drop=...)`` does so for a range never taken.
+    buffers: object = None
 
     @property
     def complete(self) -> bool:
@@ -58,9 +61,13 @@ class LoadedRange:
 
 
 def load_range(cache: PrefixCache, tokens: Sequence[int] | np.ndarray, start_chunk: int,
-               end_chunk: int) -> LoadedRange:
+               end_chunk: int, outs: Sequence[memoryview] | None = None,
+               buffers: object = None) -> LoadedRange:
     """Load full chunks ``[start_chunk, end_chunk)`` of ``tokens``' prefix and verify each one.
 
+    With ``outs`` (one caller-owned buffer per chunk, see ``PrefixCache.load_verified_into``)
+    the chunks are read into them, and the payloads are views of them (or new bytes where a
+    codec decompressed them); ``buffers`` is passed through as ``LoadedRange.buffers``.
     A chunk that fails verification is deleted from every tier (so it is recomputed and saved
     again) and ends the run. Never raises for store trouble.
     """
@@ -69,14 +76,19 @@ def load_range(cache: PrefixCache, tokens: Sequence[int] | np.ndarray, start_chu
     if end_chunk * c > len(tokens):
         raise ValueError(f"{len(tokens)} tokens do not cover {end_chunk} full chunks of {c}")
     wanted = max(0, end_chunk - start_chunk)
+    if outs is not None and len(outs) != wanted:
+        raise ValueError(f"load_range got {len(outs)} buffers for {wanted} chunks")
     if wanted == 0:
-        return LoadedRange(start_chunk, 0)
+        return LoadedRange(start_chunk, 0, buffers=buffers)
     prefix = cache.keys(tokens[: end_chunk * c], full_chunks_only=True)
     keys = prefix[start_chunk:end_chunk]
     spans = [(i * c, (i + 1) * c) for i in range(start_chunk, end_chunk)]
-    run = cache.load_verified(keys, spans, first_index=start_chunk, prefix=prefix)
+    if outs is None:
+        run = cache.load_verified(keys, spans, first_index=start_chunk, prefix=prefix)
+    else:
+        run = cache.load_verified_into(keys, spans, outs, first_index=start_chunk, prefix=prefix)
     return LoadedRange(start_chunk, wanted, run.payloads, run.per_tier, run.reason, run.nbytes,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, buffers)
 
 
 class PrefetchJob:
@@ -104,10 +116,14 @@ class Prefetcher:
 
     ``max_bytes`` bounds the payload bytes held by finished, untaken jobs: the oldest are
     dropped first (a dropped job is simply loaded again when the engine needs it).
+    ``on_drop(range)`` runs (once the job finished, on whichever thread finishes it) for every
+    job dropped without being taken (trimmed, discarded, replaced, closed): it releases the
+    range's ``buffers``. A job taken with ``pop`` is the taker's to release.
     """
 
     def __init__(self, workers: int = 2, max_bytes: int = 1 << 30, name: str = "kvtier-prefetch",
-                 thread_init: Callable[[], None] | None = None) -> None:
+                 thread_init: Callable[[], None] | None = None,
+                 on_drop: Callable[[LoadedRange], None] | None = None) -> None:
         # thread_init runs first in every pool thread (e.g. to move it off the engine's cores).
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=name,
                                         initializer=thread_init)
@@ -115,6 +131,19 @@ class Prefetcher:
         self._lock = threading.Lock()
         self.max_bytes = max_bytes
         self._closed = False
+        self._on_drop = on_drop
+
+    def drop(self, job: PrefetchJob) -> None:
+        """Release ``job``'s range through ``on_drop`` once it finished (a job no one takes)."""
+        on_drop = self._on_drop
+        if on_drop is None:
+            return
+
+        def release(f: Future[LoadedRange]) -> None:
+            if not f.cancelled():
+                on_drop(f.result())
+
+        job.future.add_done_callback(release)
 
     def submit(self, job_id: str, signature: tuple[object, ...],
                fn: Callable[[], LoadedRange]) -> PrefetchJob | None:
@@ -128,6 +157,8 @@ class Prefetcher:
             job = self._jobs.get(job_id)
             if job is not None and job.signature == signature:
                 return job
+            if job is not None:
+                self.drop(job)
             future = self._pool.submit(_guarded, fn)
             job = PrefetchJob(job_id, signature, future)
             self._jobs[job_id] = job
@@ -146,7 +177,9 @@ class Prefetcher:
     def discard(self, job_ids: Sequence[str]) -> None:
         with self._lock:
             for job_id in job_ids:
-                self._jobs.pop(job_id, None)
+                job = self._jobs.pop(job_id, None)
+                if job is not None:
+                    self.drop(job)
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -166,12 +199,16 @@ class Prefetcher:
                 if job.done():
                     total -= _held(job)
                     del self._jobs[job_id]
+                    self.drop(job)
                     log.debug("prefetch %s dropped: over the %d-byte budget", job_id, self.max_bytes)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            jobs = list(self._jobs.values())
             self._jobs.clear()
+        for job in jobs:
+            self.drop(job)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -27,13 +27,14 @@ from kvtier_vllm.staging import StagingPool
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
 
-def _on_sim(worker: Any, caches: dict[str, torch.Tensor], seed: int) -> SimDevice:
+def _on_sim(worker: Any, caches: dict[str, torch.Tensor], seed: int,
+            restore_bytes: int | None = None) -> SimDevice:
     """Move a registered worker onto the simulated device (its caches become device memory)."""
     sim = SimDevice(seed=seed, max_delay_s=0.002)
     sim.set_current(sim.compute)
     for t in caches.values():
         sim.device_tensor(t)
-    worker.use_copier(DeviceCopier(sim))
+    worker.use_copier(DeviceCopier(sim), restore_bytes=restore_bytes)
     return sim
 
 
@@ -50,14 +51,16 @@ def _compute_fill(sim: SimDevice, blocks: list[int], seed: int) -> Any:
 
 
 @needs_vllm
-@pytest.mark.parametrize("async_load", ["never", "always"])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("async_load", "seed", "restore_pool"),
+                         [(a, seed, "pinned") for a in ("never", "always") for seed in range(3)]
+                         + [("never", 0, "exhausted"), ("always", 1, "exhausted")])
 def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Path, async_load: str,
-                                                                   seed: int) -> None:
+                                                                   seed: int, restore_pool: str) -> None:
     from test_vllm_connector_flow import _halves, _output, _req, _run_step, _wait_saved
 
     sched, worker, caches = _halves(tmp_path, async_load=async_load)
-    sim = _on_sim(worker, caches, seed)
+    # "exhausted": a restore pool with no slot, so restores fall back to pageable bytes.
+    sim = _on_sim(worker, caches, seed, restore_bytes=0 if restore_pool == "exhausted" else None)
     try:
         from test_vllm_connector_flow import _fill
 
@@ -97,6 +100,14 @@ def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Pat
             want = torch.zeros_like(t)
             fill(name, want)   # what r1's forward wrote
             assert torch.equal(t[blocks2[:4]], want[blocks1[:4]]), name
+        # Every copy (captures, indices, restores) came from pinned memory, unless the restore
+        # pool was exhausted: then the 2 restored chunks were pageable, and counted.
+        stats = worker.stats.take()
+        assert stats is not None
+        pageable = 2 if restore_pool == "exhausted" else 0
+        assert stats.data["load_pageable_chunks"] == pageable
+        assert (sim.pageable_copies > 0) == bool(pageable)
+        assert worker.restore_bufs.pool.free == worker.restore_bufs.pool.slots  # all slots back
     finally:
         worker.shutdown()
         sched.shutdown()

@@ -116,3 +116,36 @@ def test_host_memory_is_pinned_without_the_power_of_two_allocator() -> None:
     pool = StagingPool(4 << 20, (2, 2, 16, 8, 64), torch.float16, CudaDevice(torch.device("cuda")).host_buffer)
     assert pool.slots == (4 << 20) // (2 * 2 * 16 * 8 * 64 * 2)
     assert pool.tensor(0).is_pinned()
+
+
+def test_restores_copy_from_pinned_slots_without_blocking() -> None:
+    """A chunk read into a restore slot is a pinned view, so its H2D copy is asynchronous."""
+    import numpy as np
+    from kvtier_vllm.restorebufs import RestoreBuffers
+
+    from kvtier.cache import PrefixCache
+    from kvtier.keys import KVLayout, NamespaceSpec
+    from kvtier.store import TieredStore
+    from kvtier.tiers.memory import MemoryTier
+
+    lay = KVLayout(num_layers=2, num_kv_heads=8, head_dim=64, chunk_tokens=16)
+    cache = PrefixCache(TieredStore([MemoryTier(1 << 24)]), NamespaceSpec("gpu-restore", lay, kv_dtype="float16"))
+    shape = lay.chunk_shape(16)
+    tokens = np.arange(32, dtype=np.uint32)
+    raw = torch.randn(2, 2, 32, 8, 64).to(torch.float16)
+    assert cache.save(tokens, lambda a, b: raw[:, :, a:b].contiguous().numpy().tobytes(), full_chunks_only=True) == 2
+    cache.store.flush(5)
+    bufs = RestoreBuffers(4 << 20, shape, torch.float16, CudaDevice(torch.device("cuda")).host_buffer, lambda n: None)
+    res = bufs.load(cache, tokens, 0, 2)
+    assert res.complete
+    for j in range(2):
+        t = bufs.payload(res, j, shape, torch.float16)
+        assert t.is_pinned()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            dev = t.to("cuda", non_blocking=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), raw[:, :, 16 * j:16 * (j + 1)])
+    bufs.release(res)

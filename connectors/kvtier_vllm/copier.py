@@ -11,7 +11,7 @@ Call protocol (threads)
         ``finish_restore``, ``order_async``, ``begin_capture``, ``capture_layer``, ``end_capture``.
     loader thread: ``prepare_restore`` once per run, then ``restore_layer`` per layer.
     async-load thread: ``restore_blocking`` (with the event ``order_async`` gave on the forward
-        thread when the load was started). saver thread: ``Fence.wait``.
+        thread when the load was started; its payloads are free again once it returns). saver thread: ``Fence.wait``.
 Failure: methods raise RuntimeError/ValueError (the worker turns them into failed loads or
 dropped saves); they never leave a stream waiting on an event that is not recorded.
 """
@@ -61,10 +61,16 @@ class CaptureIndex:
 class Fence(Protocol):
     def wait(self) -> None: ...
 
+    def query(self) -> bool:
+        """True once the fenced work completed (never blocks)."""
+
 
 class _Done:
     def wait(self) -> None:
         return None
+
+    def query(self) -> bool:
+        return True
 
 
 DONE: Fence = _Done()
@@ -79,7 +85,9 @@ class Copier(Protocol):
 
     def layer_ready(self, layer: int) -> None: ...
 
-    def finish_restore(self) -> None: ...
+    def finish_restore(self) -> Fence:
+        """Order the next step after this run; the fence completes when the run's host-to-device
+        copies are done (then the restore's host buffers may be reused)."""
 
     def order_async(self) -> Any: ...
 
@@ -116,8 +124,8 @@ class CpuCopier:
     def layer_ready(self, layer: int) -> None:
         return None
 
-    def finish_restore(self) -> None:
-        return None
+    def finish_restore(self) -> Fence:
+        return DONE
 
     def order_async(self) -> None:
         return None

@@ -13,6 +13,9 @@ Orderings (each one is a test in tests/test_copier_sim.py; removing it fails tha
     R3 ``order_async`` + ``restore_blocking``: an async load waits for an event recorded on the
        compute stream when the load was started (same reason as R1; ``current_stream`` is only
        the compute stream on the forward thread, so the event is taken there).
+    R4 ``finish_restore`` returns a fence on the load stream's copies, and ``restore_blocking``
+       returns only after its copies ran: a restore's pinned host buffers go back to their
+       pool only then (``StagingPool.give_after``), never while a copy may still read them.
     C1 ``capture_layer``: the gather waits for the compute stream's writes of that layer.
     C2 ``end_capture``: later compute-stream writes wait for the *gathers* only; the D2H tail
        runs on under the next step, and the saver thread waits for it (a blocking event).
@@ -39,6 +42,9 @@ class _EventFence:
 
     def wait(self) -> None:
         self.event.synchronize()  # a blocking event: the saver thread sleeps, it does not spin
+
+    def query(self) -> bool:
+        return self.event.query()
 
 
 class DeviceCopier:
@@ -111,11 +117,12 @@ class DeviceCopier:
     def layer_ready(self, layer: int) -> None:
         self.dev.wait_event(self.dev.current_stream(), self._layer_events[layer])  # R2
 
-    def finish_restore(self) -> None:
+    def finish_restore(self) -> Fence:
         # Layers the forward never waited for (a short run) still land before the next step.
         done = self.dev.new_event()
         self.dev.record(done, self.load_stream)
         self.dev.wait_event(self.dev.current_stream(), done)
+        return _EventFence(done)  # R4: the run's host buffers are free once this completes
 
     def order_async(self) -> Event:
         ready = self.dev.new_event()
@@ -125,12 +132,15 @@ class DeviceCopier:
     def restore_blocking(self, views: Sequence[Views], items: Sequence[RestoreItem], after: Any) -> None:
         if after is not None:
             self.dev.wait_event(self.async_stream, after)  # R3
-        plan = self._plan(items, self.async_stream)
-        for layer, v in enumerate(views):
-            self._restore(v, layer, plan, self.async_stream)
-        done = self.dev.new_event()
-        self.dev.record(done, self.async_stream)
-        done.synchronize()
+        try:
+            plan = self._plan(items, self.async_stream)
+            for layer, v in enumerate(views):
+                self._restore(v, layer, plan, self.async_stream)
+        finally:
+            # Also on failure: the caller reuses the payloads' buffers once this returns (R4).
+            done = self.dev.new_event()
+            self.dev.record(done, self.async_stream)
+            done.synchronize()
 
     # --- capture ---------------------------------------------------------------------------------
     def begin_capture(self, block_ids: Sequence[int], per_chunk: int) -> CaptureIndex:

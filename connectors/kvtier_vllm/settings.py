@@ -47,6 +47,10 @@ class VllmSettings:
     # Host staging for captured chunks, preallocated once (pinned on GPU hosts); when it is
     # full the chunks that do not fit are not saved (counted as dropped saves).
     save_staging_bytes: int = field(default=2 * GiB, metadata=_rng(0, None, size=True))
+    # Host buffers restores read chunks into, preallocated once (pinned on GPU hosts) so the
+    # host-to-device copies are asynchronous; a load that finds it short reads into pageable
+    # memory instead (counted as load_pageable_chunks). Also bounds what prefetches hold.
+    restore_staging_bytes: int = field(default=1 * GiB, metadata=_rng(0, None, size=True))
     socket_dir: str = ""
     metrics_port: int = field(default=0, metadata=_rng(0, 65535))  # 0: no HTTP /metrics
 

@@ -1,56 +1,113 @@
-"""A byte-bounded, preallocated pool of host buffers that captured chunks are copied into.
+"""A byte-bounded, preallocated pool of host buffers for device copies (saves and restores).
 
-One slot holds one chunk ``(L, P, C, H, D)``; the pool is ``max_bytes // chunk_bytes`` slots
-allocated once (pinned on a GPU host, so device-to-host copies are asynchronous), never grown.
-Why bounded: a pinned buffer per save job, cached forever, reaches hundreds of GiB under a
-queue of long prefills, and an allocation failure inside ``save_kv_layer`` would kill the
-engine. When the pool runs short a job keeps the leading chunks it got slots for (a shorter
-prefix is still a valid cache entry) and the rest of the save is dropped and counted.
+One slot holds one chunk: ``(L, P, C, H, D)`` captured for a save, or an encoded chunk read from
+the store for a restore (``slot_bytes`` then leaves room for the header). The pool is
+``max_bytes // slot_bytes`` slots allocated once (pinned on a GPU host, so host<->device copies
+are asynchronous), never grown. Why bounded: a pinned buffer per job, cached forever, reaches
+hundreds of GiB under a queue of long prefills, and an allocation failure inside the engine's
+hooks would kill the engine. When the pool runs short the caller falls back (a save keeps the
+leading chunks it got slots for; a restore loads into pageable memory) and counts it.
 
-Threads: ``take`` on the forward thread, ``give`` on the saver thread (after the job's fence
-and the store's copy): a slot is never handed out twice while its bytes may still be written
-or read. Failure: none (an empty pool returns no slots).
+Threads: any thread may call any method. A slot is never handed out twice while its bytes may
+still be written or read: ``give`` once the caller's copies are done on the host side, and
+``give_after(slots, fence)`` when a device copy may still read them: the slots stay out until
+``fence.query()`` is true (checked by later ``take`` / ``free`` calls; nothing spins).
+Failure: none (an empty pool returns no slots).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 
+class Done(Protocol):
+    def query(self) -> bool:
+        """True once the device work the slots were handed to has finished with them."""
+
+
 class StagingPool:
     def __init__(self, max_bytes: int, chunk_shape: Sequence[int], dtype: torch.dtype,
-                 alloc: Callable[[int], torch.Tensor]) -> None:
-        """``alloc(nbytes)`` returns a uint8 host tensor of ``nbytes`` (pinned where it matters)."""
+                 alloc: Callable[[int], torch.Tensor], slot_bytes: int | None = None) -> None:
+        """``alloc(nbytes)`` returns a uint8 host tensor of ``nbytes`` (pinned where it matters);
+        ``slot_bytes`` (default: one chunk's bytes) may be larger, never smaller."""
         numel = 1
         for n in chunk_shape:
             numel *= int(n)
         self.chunk_shape = tuple(int(n) for n in chunk_shape)
+        self.dtype = dtype
         self.chunk_bytes = numel * dtype.itemsize
-        self.slots = max_bytes // self.chunk_bytes if self.chunk_bytes else 0
-        raw = alloc(self.slots * self.chunk_bytes)
-        self._chunks = raw.view(dtype).view(self.slots, *self.chunk_shape) if self.slots else None
+        if slot_bytes is not None and slot_bytes < self.chunk_bytes:
+            raise ValueError(f"slot_bytes {slot_bytes} is smaller than a {self.chunk_bytes}-byte chunk")
+        self.slot_bytes = self.chunk_bytes if slot_bytes is None else slot_bytes
+        self.slots = max_bytes // self.slot_bytes if self.slot_bytes else 0
+        raw = alloc(self.slots * self.slot_bytes)
+        self._alloc = raw  # the allocation itself stays referenced (views alone may not keep a
+        # simulated device's registration, or an owner's mapping, alive)
+        self._raw = raw.view(self.slots, self.slot_bytes) if self.slots else None
         self._free = list(range(self.slots - 1, -1, -1))
+        self._pending: list[tuple[list[int], Done]] = []
         self._lock = threading.Lock()
 
     def take(self, n: int) -> list[int]:
         """Up to ``n`` free slots (fewer, possibly none, when the pool is short)."""
         with self._lock:
+            self._reap()
             k = min(n, len(self._free))
             got = [self._free.pop() for _ in range(k)]
         return got
 
+    def raw(self, slot: int) -> torch.Tensor:
+        """The slot's ``slot_bytes`` as a uint8 tensor (views of it share its pinned memory)."""
+        assert self._raw is not None
+        return self._raw[slot]
+
     def tensor(self, slot: int) -> torch.Tensor:
-        assert self._chunks is not None
-        return self._chunks[slot]
+        """The slot's first ``chunk_bytes`` as one chunk ``(L, P, C, H, D)``."""
+        return self.raw(slot)[: self.chunk_bytes].view(self.dtype).view(self.chunk_shape)
+
+    def view_of(self, slot: int, payload: memoryview | bytes | bytearray) -> torch.Tensor | None:
+        """``payload`` as a chunk tensor that views the slot's memory, when ``payload`` lies in
+        that slot with the chunk's size and a dtype-aligned offset; else None (e.g. a payload a
+        codec decompressed elsewhere)."""
+        raw = self.raw(slot)
+        mv = memoryview(payload)
+        if mv.nbytes != self.chunk_bytes or not mv.c_contiguous:
+            return None
+        import numpy as np  # address of the payload's first byte
+
+        addr = int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if mv.nbytes else 0
+        off = addr - raw.data_ptr()
+        if off < 0 or off + self.chunk_bytes > self.slot_bytes or off % self.dtype.itemsize:
+            return None
+        return raw[off:off + self.chunk_bytes].view(self.dtype).view(self.chunk_shape)
 
     def give(self, slots: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(slots)
 
+    def give_after(self, slots: Sequence[int], fence: Done) -> None:
+        """Return ``slots`` once ``fence`` completed (device copies still reading them)."""
+        if not slots:
+            return
+        with self._lock:
+            self._pending.append((list(slots), fence))
+            self._reap()
+
+    def _reap(self) -> None:
+        keep: list[tuple[list[int], Done]] = []
+        for slots, fence in self._pending:
+            if fence.query():
+                self._free.extend(slots)
+            else:
+                keep.append((slots, fence))
+        self._pending = keep
+
     @property
     def free(self) -> int:
         with self._lock:
+            self._reap()
             return len(self._free)

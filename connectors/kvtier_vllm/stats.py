@@ -17,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvtier.metrics import LATENCY_BUCKETS, Metrics
 
 _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "load_bytes",
-             "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits")
+             "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits",
+             "load_pageable_chunks")
 _SECONDS = ("load_seconds", "save_seconds", "prefetch_wait_seconds")
 _BY = ("hit_tokens_by_tier", "failures_by_reason")
 
@@ -109,6 +110,10 @@ class ConnectorMetrics:
             "kvtier_connector_prefetch_wait_seconds",
             "Time the engine waited for a prefetch that had not finished", registry=r,
             buckets=LATENCY_BUCKETS)
+        self.load_pageable_chunks = Counter(
+            "kvtier_connector_load_pageable_chunks_total",
+            "Chunks restored from pageable host memory (restore staging pool full, or a codec "
+            "decompressed them)", registry=r)
         self.save_chunks = Counter(
             "kvtier_connector_saved_chunks_total", "Chunks handed to the store", registry=r)
         self.save_dropped = Counter(

@@ -33,10 +33,10 @@ from kvtier.cache import PrefixCache
 from kvtier.config import KVTierConfig
 from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.metrics import Metrics
-from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher, load_range
+from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
 
-from .blocks import PagedLayout, detect_layout, dtype_name, kv_views, payload_tensor
+from .blocks import PagedLayout, detect_layout, dtype_name, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
@@ -48,6 +48,7 @@ from .protocol import (
     LoadSpec,
     StoredChunks,
 )
+from .restorebufs import RestoreBuffers
 from .saver import Saver
 from .settings import VllmSettings
 from .staging import StagingPool
@@ -89,6 +90,7 @@ class WorkerSide:
         self._stored: list[StoredChunks] = []
         self._run: LayerRun | None = None
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
+        self._run_slots: list[int] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
 
     # --- setup ----------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ class WorkerSide:
         pin = background_pinner()
         pin_existing("kvtier", pin)  # the store's writer thread, already started
         self.prefetcher = Prefetcher(self.settings.prefetch_workers, self.settings.prefetch_max_bytes,
-                                     thread_init=pin)
+                                     thread_init=pin, on_drop=lambda r: self.restore_bufs.release(r))
         self.pipeline = LayerPipeline(thread_init=pin)
         self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load", initializer=pin)
         self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
@@ -145,12 +147,16 @@ class WorkerSide:
         log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
                  len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
 
-    def use_copier(self, copier: Copier, staging_bytes: int | None = None) -> None:
-        """Restore and capture through ``copier``, with a fresh staging pool (tests put the
+    def use_copier(self, copier: Copier, staging_bytes: int | None = None,
+                   restore_bytes: int | None = None) -> None:
+        """Restore and capture through ``copier``, with fresh staging pools (tests put the
         worker on the simulated device this way; call before the first step)."""
         self.copier = copier
         nbytes = self.settings.save_staging_bytes if staging_bytes is None else staging_bytes
         self.pool = StagingPool(nbytes, self.chunk_shape, self.torch_dtype, copier.host_buffer)
+        rbytes = self.settings.restore_staging_bytes if restore_bytes is None else restore_bytes
+        self.restore_bufs = RestoreBuffers(rbytes, self.chunk_shape,
+                                           self.torch_dtype, copier.host_buffer, self._count_pageable)
         self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
                                    self.info.block_size, self.stats)
 
@@ -178,17 +184,24 @@ class WorkerSide:
         if header.get("prefetch") and usable - start >= self.info.block_size:
             c0, c1 = start // self.chunk, -(-usable // self.chunk)
             self.prefetcher.submit(str(header["req"]), (salt, c0, c1),
-                                   lambda: load_range(cache, tokens[:c1 * self.chunk], c0, c1))
+                                   lambda: self.restore_bufs.load(cache, tokens[:c1 * self.chunk], c0, c1))
         return {"tokens": usable, "tiers": hit.per_tier, "reason": hit.reason}
 
     # --- loads ------------------------------------------------------------------------------------------
+    def _count_pageable(self, n: int) -> None:
+        self.stats.add(load_pageable_chunks=n)
+        self.cmetrics.load_pageable_chunks.inc(n)
+
     def _fetch(self, spec: LoadSpec) -> LoadedRange:
         """The verified chunks for ``spec``: from the prefetch if it covers them, else loaded now."""
         c0, c1 = spec.start // self.chunk, -(-spec.end // self.chunk)
         job = self.prefetcher.pop(spec.req_id)
         cache = self.cache_for(spec.salt)
-        if job is not None and job.signature[:2] == (spec.salt, c0) \
-                and int(job.signature[2]) >= c1:  # type: ignore[call-overload]
+        if job is not None and not (job.signature[:2] == (spec.salt, c0)
+                                    and int(job.signature[2]) >= c1):  # type: ignore[call-overload]
+            self.prefetcher.drop(job)
+            job = None
+        if job is not None:
             if not job.done():
                 t0 = time.perf_counter()
                 res = job.result()
@@ -200,18 +213,18 @@ class WorkerSide:
             if res is not None:
                 return res
         tokens = np.frombuffer(spec.tokens, dtype="<u4")
-        return load_range(cache, tokens[:c1 * self.chunk], c0, c1)
+        return self.restore_bufs.load(cache, tokens[:c1 * self.chunk], c0, c1)
 
     def _plan(self, spec: LoadSpec, res: LoadedRange) -> tuple[list[RestoreItem], LoadOutcome]:
         c, bs = self.chunk, self.info.block_size
         ok_end = min(spec.end, (res.start_chunk + len(res.payloads)) * c)
         ok_end = max(spec.start, ok_end)
         items = []
-        for j, payload in enumerate(res.payloads):
+        for j in range(len(res.payloads)):
             lo = (res.start_chunk + j) * c
             a, b = max(lo, spec.start), min(lo + c, ok_end)
             if a < b:
-                p = payload_tensor(payload, self.chunk_shape, self.torch_dtype)
+                p = self.restore_bufs.payload(res, j, self.chunk_shape, self.torch_dtype)
                 ids = spec.block_ids[(a - spec.start) // bs:(b - spec.start) // bs]
                 items.append(RestoreItem(p, a - lo, b - a, ids))
         outcome = LoadOutcome(spec.start, spec.end, ok_end, dict(res.per_tier),
@@ -235,11 +248,15 @@ class WorkerSide:
             self._finish_sync_run()
         plan: list[RestorePlan] = []
         self._run_specs = []
+        slots: list[int] = []
+        self._run_slots = slots  # back to the pool once finish_restore's fence completed
 
         def before() -> None:
             items: list[RestoreItem] = []
             for spec in sync:
-                spec_items, outcome = self._plan(spec, self._fetch(spec))
+                res = self._fetch(spec)
+                slots.extend(self.restore_bufs.slots(res))
+                spec_items, outcome = self._plan(spec, res)
                 items.extend(spec_items)
                 self._run_specs.append((spec, outcome))
             plan.append(self.copier.prepare_restore(items))  # one block index for the step
@@ -257,12 +274,17 @@ class WorkerSide:
 
     def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
         t0 = time.perf_counter()
+        res: LoadedRange | None = None
         try:
-            items, outcome = self._plan(spec, self._fetch(spec))
+            res = self._fetch(spec)
+            items, outcome = self._plan(spec, res)
             self.copier.restore_blocking(self.views, items, after)
         except (RuntimeError, ValueError, OSError) as exc:
             log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc)
             outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+        finally:
+            if res is not None:
+                self.restore_bufs.release(res)  # restore_blocking returned: copies ran (R4)
         outcome.seconds = time.perf_counter() - t0
         return outcome, self._failed_blocks(spec, outcome)
 
@@ -285,8 +307,9 @@ class WorkerSide:
         if run is None:
             return set()
         run.join()
-        self.copier.finish_restore()
-        seconds = time.perf_counter() - self._t_load
+        fence = self.copier.finish_restore()
+        self.restore_bufs.release_after(self._run_slots, fence)
+        self._run_slots = []
         log.debug("kvtier: sync restore of %d request(s): fetched at %.1f ms, restored at %.1f ms, "
                   "forward waited %.1f ms", len(self._sync_specs), 1e3 * (self._t_fetched - self._t_load),
                   1e3 * (self._t_restored - self._t_load), 1e3 * self._waited)
