@@ -37,7 +37,6 @@ else ran) and exits 0. ``--quick`` replays only the default policy, LRU and Bela
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import sys
 import time
@@ -53,7 +52,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import workloads  # noqa: E402  (bench/ is on sys.path when this file runs as a script)
 
-from kvtier.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, NothingToEvict
+from kvtier.analyze.belady import BeladyPolicy
+from kvtier.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy
 
 
 def find_trace(rel: Path = Path("shared/traces/synthetic_trace.jsonl")) -> Path:
@@ -131,67 +131,6 @@ def replay(requests: Trace, policy: EvictionPolicy, capacity: int) -> tuple[int,
     return hits, blocks, evictions
 
 
-class BeladyPolicy:
-    """Offline optimum: evicts the key whose next use is farthest away (MIN).
-
-    Knows the whole access sequence; each insert/access must be the next access of that
-    sequence, in order (the replay loop guarantees it). Bench-only: not an online policy.
-    """
-
-    name = "belady"
-
-    def __init__(self, requests: Trace) -> None:
-        seq = [key for ids in requests for key in ids]
-        never = len(seq)
-        self._next = [never] * len(seq)
-        last: dict[bytes, int] = {}
-        for t in range(len(seq) - 1, -1, -1):
-            self._next[t] = last.get(seq[t], never)
-            last[seq[t]] = t
-        self._seq = seq
-        self._t = 0
-        self._due: dict[bytes, int] = {}  # tracked key -> its next use
-        self._heap: list[tuple[int, bytes]] = []  # (-next use, key), stale entries lazy
-
-    def _touch(self, key: bytes) -> None:
-        t = self._t
-        if self._seq[t] != key:
-            raise AssertionError(f"access {t} is {key!r}, the trace says {self._seq[t]!r}")
-        self._t = t + 1
-        due = self._next[t]
-        self._due[key] = due
-        heapq.heappush(self._heap, (-due, key))
-
-    def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
-        self._touch(key)
-
-    def access(self, key: bytes) -> None:
-        self._touch(key)
-
-    def remove(self, key: bytes) -> None:
-        self._due.pop(key, None)
-
-    def evict(self) -> bytes:
-        while self._heap:
-            due, key = heapq.heappop(self._heap)
-            if self._due.get(key) == -due:
-                del self._due[key]
-                return key
-        raise NothingToEvict("nothing tracked")
-
-    def pin(self, key: bytes) -> None:
-        raise NotImplementedError("the offline optimum takes no pins")
-
-    def unpin(self, key: bytes) -> None:
-        raise NotImplementedError("the offline optimum takes no pins")
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._due
-
-    def __len__(self) -> int:
-        return len(self._due)
-
-
 def unbounded_ratio(requests: Trace) -> float:
     seen: set[bytes] = set()
     hits = blocks = 0
@@ -217,7 +156,8 @@ def run(requests: Trace, names: Sequence[str], percents: Sequence[int],
     results = []
     for pct, name in tqdm(jobs, desc=label, unit="run", file=sys.stderr):
         capacity = max(1, distinct * pct // 100)
-        policy: EvictionPolicy = BeladyPolicy(requests) if name == "belady" else POLICIES[name]()
+        policy: EvictionPolicy = (BeladyPolicy([key for ids in requests for key in ids]) if name == "belady"
+                                  else POLICIES[name]())
         # CPU time of this process: the figure is the policy's cost, not the machine's load.
         t0 = time.process_time()
         hits, blocks, evictions = replay(requests, policy, capacity)

@@ -72,6 +72,7 @@ import heapq
 from collections import OrderedDict
 
 from kvtier.policies.base import NothingToEvict
+from kvtier.policies.tree import LeafTree
 
 DEFAULT_BETA = 0.25
 #: Regrets for ``p`` (continuation set) and ``q`` (fresh set) to cross their whole range,
@@ -116,7 +117,7 @@ class _Node:
         self.branched = False
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(LeafTree):
     """Leaf-first eviction that adapts between once-seen-first and recency (ARC-style)."""
 
     name = "adaptive"
@@ -349,30 +350,3 @@ class AdaptivePolicy:
                 self._forget(key, node, node.kind)
                 return key
         raise NothingToEvict("every tracked key is pinned")
-
-    def pin(self, key: bytes) -> None:
-        if key in self._pinned:
-            return
-        self._pinned.add(key)
-        node = self._nodes.get(key)
-        if node is not None:
-            node.seq = -1
-            if node.parent:
-                self._child_gone(node.parent)
-
-    def unpin(self, key: bytes) -> None:
-        if key not in self._pinned:
-            return
-        self._pinned.discard(key)
-        node = self._nodes.get(key)
-        if node is not None:
-            if node.parent:
-                self._child_added(node.parent)
-            if not self._kids.get(key):
-                self._push(key, node)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._nodes
-
-    def __len__(self) -> int:
-        return len(self._nodes)

@@ -41,6 +41,7 @@ import heapq
 from collections import OrderedDict
 
 from kvtier.policies.base import NothingToEvict
+from kvtier.policies.tree import LeafTree
 
 #: Weight of the mean reuse gap in the rank; 0.15-0.3 all score within ~3% on the replay.
 DEFAULT_BETA = 0.25
@@ -68,7 +69,7 @@ class _Node:
         self.seq = -1
 
 
-class PrefixPolicy:
+class PrefixPolicy(LeafTree):
     """Leaf-first eviction ranked by recency and mean reuse gap, with a ghost history."""
 
     name = "prefix"
@@ -204,30 +205,3 @@ class PrefixPolicy:
                 self._forget(key, node)
                 return key
         raise NothingToEvict("every tracked key is pinned")
-
-    def pin(self, key: bytes) -> None:
-        if key in self._pinned:
-            return
-        self._pinned.add(key)
-        node = self._nodes.get(key)
-        if node is not None:
-            node.seq = -1
-            if node.parent:
-                self._child_gone(node.parent)
-
-    def unpin(self, key: bytes) -> None:
-        if key not in self._pinned:
-            return
-        self._pinned.discard(key)
-        node = self._nodes.get(key)
-        if node is not None:
-            if node.parent:
-                self._child_added(node.parent)
-            if not self._kids.get(key):
-                self._push(key, node)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._nodes
-
-    def __len__(self) -> int:
-        return len(self._nodes)

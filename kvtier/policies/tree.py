@@ -1,0 +1,61 @@
+"""Pinning on a prefix tree, shared by the leaf-first policies (``prefix``, ``adaptive``).
+
+A leaf-first policy keeps a node per tracked key (its parent and a heap sequence number) and
+only ever evicts leaves. A pinned key leaves the candidate heap (``seq = -1``, its parent no
+longer counts it as a child, so the parent may become a leaf); unpinning puts it back. The
+subclass supplies the tree bookkeeping: ``_child_gone``, ``_child_added`` and ``_push``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class TreeNode(Protocol):
+    parent: bytes
+    seq: int
+
+
+class LeafTree:
+    """Pins, membership and size over ``_nodes`` (key -> node), ``_kids`` (key -> child
+    count) and ``_pinned``; the owning policy defines the three hooks."""
+
+    _nodes: dict[bytes, Any]
+    _kids: dict[bytes, int]
+    _pinned: set[bytes]
+
+    def _child_gone(self, parent: bytes) -> None:
+        raise NotImplementedError
+
+    def _child_added(self, parent: bytes) -> None:
+        raise NotImplementedError
+
+    def _push(self, key: bytes, node: Any) -> None:
+        raise NotImplementedError
+
+    def pin(self, key: bytes) -> None:
+        if key in self._pinned:
+            return
+        self._pinned.add(key)
+        node: TreeNode | None = self._nodes.get(key)
+        if node is not None:
+            node.seq = -1
+            if node.parent:
+                self._child_gone(node.parent)
+
+    def unpin(self, key: bytes) -> None:
+        if key not in self._pinned:
+            return
+        self._pinned.discard(key)
+        node: TreeNode | None = self._nodes.get(key)
+        if node is not None:
+            if node.parent:
+                self._child_added(node.parent)
+            if not self._kids.get(key):
+                self._push(key, node)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
