@@ -199,22 +199,6 @@ class AdaptivePolicy(LeafTree):
                 return entry
         return None
 
-    def _child_gone(self, parent: bytes) -> None:
-        left = self._kids[parent] - 1
-        if left:
-            self._kids[parent] = left
-            return
-        del self._kids[parent]
-        pn = self._nodes.get(parent)
-        if pn is not None and parent not in self._pinned:
-            self._push(parent, pn)
-
-    def _child_added(self, parent: bytes) -> None:
-        self._kids[parent] = self._kids.get(parent, 0) + 1
-        pn = self._nodes.get(parent)
-        if pn is not None:
-            pn.seq = -1  # no longer a leaf
-
     def _adapt(self, origin: int, evicted_at: int) -> None:
         size = len(self._nodes)
         if origin == _REMOVED or self._evictions - evicted_at > size:

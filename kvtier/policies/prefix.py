@@ -115,23 +115,6 @@ class PrefixPolicy(LeafTree):
     def _is_candidate(self, key: bytes) -> bool:
         return key not in self._pinned and not self._kids.get(key)
 
-    def _child_gone(self, parent: bytes) -> None:
-        """One unpinned child of ``parent`` stopped counting; the parent may become a leaf."""
-        left = self._kids[parent] - 1
-        if left:
-            self._kids[parent] = left
-            return
-        del self._kids[parent]
-        pn = self._nodes.get(parent)
-        if pn is not None and parent not in self._pinned:
-            self._push(parent, pn)
-
-    def _child_added(self, parent: bytes) -> None:
-        self._kids[parent] = self._kids.get(parent, 0) + 1
-        pn = self._nodes.get(parent)
-        if pn is not None:
-            pn.seq = -1  # no longer a leaf
-
     # --- the contract ----------------------------------------------------------------------
     def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
         node = self._nodes.get(key)

@@ -3,7 +3,8 @@
 A leaf-first policy keeps a node per tracked key (its parent and a heap sequence number) and
 only ever evicts leaves. A pinned key leaves the candidate heap (``seq = -1``, its parent no
 longer counts it as a child, so the parent may become a leaf); unpinning puts it back. The
-subclass supplies the tree bookkeeping: ``_child_gone``, ``_child_added`` and ``_push``.
+child counts (``_child_gone``, ``_child_added``) live here too; the subclass supplies ``_push``
+(how a leaf enters its candidate heap).
 """
 
 from __future__ import annotations
@@ -17,18 +18,29 @@ class TreeNode(Protocol):
 
 
 class LeafTree:
-    """Pins, membership and size over ``_nodes`` (key -> node), ``_kids`` (key -> child
-    count) and ``_pinned``; the owning policy defines the three hooks."""
+    """Pins, child counts, membership and size over ``_nodes`` (key -> node), ``_kids``
+    (key -> unpinned child count) and ``_pinned``; the owning policy defines ``_push``."""
 
     _nodes: dict[bytes, Any]
     _kids: dict[bytes, int]
     _pinned: set[bytes]
 
     def _child_gone(self, parent: bytes) -> None:
-        raise NotImplementedError
+        """One unpinned child of ``parent`` stopped counting; the parent may become a leaf."""
+        left = self._kids[parent] - 1
+        if left:
+            self._kids[parent] = left
+            return
+        del self._kids[parent]
+        pn = self._nodes.get(parent)
+        if pn is not None and parent not in self._pinned:
+            self._push(parent, pn)
 
     def _child_added(self, parent: bytes) -> None:
-        raise NotImplementedError
+        self._kids[parent] = self._kids.get(parent, 0) + 1
+        pn = self._nodes.get(parent)
+        if pn is not None:
+            pn.seq = -1  # no longer a leaf
 
     def _push(self, key: bytes, node: Any) -> None:
         raise NotImplementedError
