@@ -21,6 +21,7 @@ a missing or refused chunk ends the restored prefix (never an exception for stor
 from __future__ import annotations
 
 import math
+import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,10 @@ def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tok
     batches = -(-len(keys) // batch)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-hf-restore") as pool:
         pending: Future[VerifiedRun] | None = pool.submit(read, 0)
+        # While the first batch is read: fault in the output tensors' pages (a fresh
+        # allocation), so the copies below run at copy speed instead of page-fault speed.
+        for out in (k_np, v_np):
+            out.reshape(-1)[:: mmap.PAGESIZE // out.itemsize] = 0
         for b in range(batches):
             assert pending is not None
             run = pending.result()
