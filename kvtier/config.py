@@ -3,6 +3,9 @@
 Precedence (lowest first): defaults < YAML file < ``KVTIER_*`` environment < explicit dict.
 Environment names are ``KVTIER_<FIELD>`` for top-level fields and ``KVTIER_<SECTION>__<FIELD>``
 for sections, e.g. ``KVTIER_DISK__PATH=/mnt/nvme/kvtier``, ``KVTIER_CPU__CAPACITY_BYTES=8GiB``.
+A ``KVTIER_*`` name that is neither a field nor a section is not a library setting and is
+ignored (kvtier-server's ``KVTIER_SERVER_*``, tools' and tests' variables); inside a known
+section an unknown field is an error, as in YAML.
 Sizes accept plain integers or suffixed strings (``512MiB``, ``4GiB``, ``1.5GB``); tuples
 accept YAML lists or comma-separated strings. Every invalid value raises
 :class:`kvtier.errors.ConfigError` naming the field and what it allows.
@@ -11,6 +14,7 @@ accept YAML lists or comma-separated strings. Every invalid value raises
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import types
@@ -25,6 +29,8 @@ from kvtier.policies import DEFAULT_POLICY
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def value_range(lo: float | None = None, hi: float | None = None, *, size: bool = False) -> dict[str, Any]:
@@ -176,7 +182,14 @@ class KVTierConfig:
         merged: dict[str, Any] = {}
         if path is not None:
             deep_merge(merged, read_yaml(Path(path)))
-        deep_merge(merged, env_to_dict(os.environ if env is None else env))
+        from_env = env_to_dict(os.environ if env is None else env)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in sorted(set(from_env) - known):
+            # KVTIER_SERVER_* is kvtier-server's namespace; other KVTIER_* names belong to
+            # tools and tests (KVTIER_TRACE, KVTIER_SGLANG_VENV, ...): not library settings.
+            log.debug("ignoring KVTIER_%s: not a kvtier library setting", name.upper())
+            del from_env[name]
+        deep_merge(merged, from_env)
         if overrides:
             deep_merge(merged, dict(overrides))
         return from_dict(cls, merged)

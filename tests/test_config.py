@@ -61,3 +61,13 @@ def test_sizes() -> None:
     assert parse_size(123) == 123
     with pytest.raises(ConfigError):
         parse_size("lots")
+
+
+def test_kvtier_variables_that_are_not_settings_are_left_to_their_owners() -> None:
+    """KVTIER_SERVER_* (kvtier-server's) and tools' variables (KVTIER_SGLANG_VENV, ...) do not
+    break the library's config; an unknown field inside a known section still does."""
+    cfg = KVTierConfig.load(env={"KVTIER_SERVER_PORT": "50051", "KVTIER_SGLANG_VENV": "/v",
+                                 "KVTIER_TRACE": "t.jsonl", "KVTIER_CODEC": "lz4"})
+    assert cfg.codec == "lz4"
+    with pytest.raises(ConfigError, match="disk.pth"):
+        KVTierConfig.load(env={"KVTIER_DISK__PTH": "/x"})
