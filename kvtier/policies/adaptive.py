@@ -239,10 +239,7 @@ class AdaptivePolicy(LeafTree):
         self._nodes[key] = node
         self._n[node.kind] += 1
         if key not in self._pinned:
-            if parent:
-                self._child_added(parent)
-            if not self._kids.get(key):
-                self._push(key, node)
+            self._enter(key, node)
 
     def access(self, key: bytes) -> None:
         node = self._nodes.get(key)

@@ -130,10 +130,7 @@ class PrefixPolicy(LeafTree):
         node.rank = self._rank(node)
         self._nodes[key] = node
         if key not in self._pinned:
-            if node.parent:
-                self._child_added(node.parent)
-            if not self._kids.get(key):
-                self._push(key, node)
+            self._enter(key, node)
 
     def access(self, key: bytes) -> None:
         node = self._nodes.get(key)

@@ -45,6 +45,14 @@ class LeafTree:
     def _push(self, key: bytes, node: Any) -> None:
         raise NotImplementedError
 
+    def _enter(self, key: bytes, node: TreeNode) -> None:
+        """An unpinned node joins the tree: its parent counts it as a child, and it is an
+        eviction candidate while it has no children of its own."""
+        if node.parent:
+            self._child_added(node.parent)
+        if not self._kids.get(key):
+            self._push(key, node)
+
     def pin(self, key: bytes) -> None:
         if key in self._pinned:
             return
@@ -61,10 +69,7 @@ class LeafTree:
         self._pinned.discard(key)
         node: TreeNode | None = self._nodes.get(key)
         if node is not None:
-            if node.parent:
-                self._child_added(node.parent)
-            if not self._kids.get(key):
-                self._push(key, node)
+            self._enter(key, node)
 
     def __contains__(self, key: object) -> bool:
         return key in self._nodes
