@@ -132,6 +132,8 @@ class Metrics:
         self.lookups.labels(label)
         for name in tiers:
             self.hit_tokens.labels(name, label)
+        for reason in MISS_REASONS:
+            self.miss_tokens.labels(reason, label)
         return label
 
     def exposition(self) -> bytes:
