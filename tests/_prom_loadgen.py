@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from kvtier_vllm.metrics import ConnectorMetrics
 from prometheus_client import start_http_server
 
 from kvtier.cache import PrefixCache
 from kvtier.config import KVTierConfig
 from kvtier.keys import KVLayout, NamespaceSpec
-from kvtier_vllm.metrics import ConnectorMetrics
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=16)  # 8 KiB chunks
 SPEC = NamespaceSpec("prom-test-model", LAYOUT, kv_dtype="float16")
@@ -47,7 +47,7 @@ def open_cache(nodes: list[str], token: str, tenant: str) -> PrefixCache:
     return PrefixCache.open(cfg, SPEC)
 
 
-def run(cache: PrefixCache, cm: ConnectorMetrics, requests: int, seed: int) -> dict[str, int]:
+def run(cache: PrefixCache, cm: ConnectorMetrics, requests: int, seed: int) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, 32000, PREFIX_TOKENS).tolist() for _ in range(PREFIXES)]
     per_token = math.prod(LAYOUT.chunk_shape(1)) * 2  # float16 bytes of one token's K/V
