@@ -82,6 +82,9 @@ class ServerMetrics:
                                  ["method"], registry=r, buckets=LATENCY_BUCKETS)
         self.bytes = Counter("kvtier_server_chunk_bytes_total", "Chunk bytes moved",
                              ["direction", "path"], registry=r)
+        for direction in ("in", "out"):  # declared at 0: a rate sees the first bytes too
+            for path in ("grpc", "socket", "shm"):
+                self.bytes.labels(direction, path)
         self.rejected = Counter("kvtier_server_rejected_chunks_total",
                                 "Chunks refused by verification, by status", ["code"], registry=r)
         self.auth_failures = Counter("kvtier_server_auth_failures_total", "Requests refused by auth",
