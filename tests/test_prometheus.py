@@ -271,7 +271,8 @@ def test_prompt_token_hit_ratio_equals_the_load_generators(scraped: Scraped) -> 
     res = scraped.result
     counted = res["hit_tokens"] / res["prompt_tokens"]
     assert 0.2 < counted < 0.9, f"load mix should have hits and misses, got {res}"
-    assert res["loaded_tokens"] == res["hit_tokens"], res  # every hit was restored
+    # Restores may fall short of a lookup's hit (a node evicts in between): counted as failures.
+    assert 0 < res["loaded_tokens"] <= res["hit_tokens"], res
     sel = f'instance="{scraped.client}"'
     cumulative = scraped.prom.scalar(
         f"sum(kvtier_lookup_hit_tokens_total{{{sel}}}) / (sum(kvtier_lookup_hit_tokens_total{{{sel}}})"
