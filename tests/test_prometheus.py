@@ -150,17 +150,21 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     tokens.chmod(0o600)
     args = ("--tokens-file", str(tokens), "--cpu-bytes", "1MiB", "--slot-bytes", "16KiB",
             "--set", "metrics_label_values=2")
-    nodes = [start_server(work / f"n{i}", *args, name=f"n{i}") for i in range(2)]
     gen_dir = work / "loadgen"
     gen_dir.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "connectors"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    with open(gen_dir / "loadgen.log", "ab") as out:
-        gen = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_prom_loadgen.py"), str(gen_dir),
-                                ",".join(n.address for n in nodes), TOKEN, "acme"],
-                               stdout=out, stderr=subprocess.STDOUT, env=env, cwd=gen_dir)
-    prom: Prometheus | None = None
+    nodes: list[ServerProc] = []
+    procs: list[subprocess.Popen[bytes]] = []  # the load generator, then Prometheus
     try:
+        for i in range(2):
+            nodes.append(start_server(work / f"n{i}", *args, name=f"n{i}"))
+        with open(gen_dir / "loadgen.log", "ab") as out:
+            gen = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_prom_loadgen.py"), str(gen_dir),
+                                    ",".join(n.address for n in nodes), TOKEN, "acme"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd=gen_dir)
+        procs.append(gen)
+
         def gen_file(name: str) -> dict[str, Any] | None:
             if gen.poll() is not None:
                 raise AssertionError(f"load generator exited {gen.returncode}:\n"
@@ -171,9 +175,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         client = f"127.0.0.1:{_wait('load generator /metrics', lambda: gen_file('ready.json'), 60)['port']}"
         prom = start_prometheus(work, {"kvtier-server": [n.http.removeprefix("http://") for n in nodes],
                                        "kvtier-clients": [client]})
+        procs.append(prom.proc)
 
         def all_up() -> bool:
-            targets = prom.api("targets")["activeTargets"] if prom else []
+            targets = prom.api("targets")["activeTargets"]
             return len(targets) == 3 and all(t["health"] == "up" for t in targets)
 
         _wait("every target scraped", all_up, 30)
@@ -184,16 +189,14 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         result = _wait("load generator result", lambda: gen_file("result.json"), 120)
         # The last scrape must have happened after the load ended (counters final).
         lookups = f'sum(kvtier_lookup_requests_total{{instance="{client}"}})'
-        _wait("final counters scraped", lambda: prom is not None and prom.query(lookups)
-              and prom.scalar(lookups) == result["requests"], 30)
+        _wait("final counters scraped", lambda: prom.query(lookups) and prom.scalar(lookups) == result["requests"],
+              30)
         time.sleep(SCRAPE_S * 2.5)  # and the servers' collectors once more
         yield Scraped(prom, nodes, client, result)
     finally:
-        if prom is not None:
-            prom.proc.terminate()
-            prom.proc.wait(20)
-        gen.terminate()
-        gen.wait(20)
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(20)
         for node in nodes:
             node.stop()
 
