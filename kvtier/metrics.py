@@ -19,6 +19,7 @@ any HTTP server running. Thread-safe (prometheus_client's own locking).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,15 +52,19 @@ class _Refresh(Collector):
     """
 
     def __init__(self) -> None:
-        self.callbacks: list[weakref.WeakMethod[Callable[[], Any]]] = []
+        self._lock = threading.Lock()  # scrapes may run concurrently with each other and add()
+        self._callbacks: list[weakref.WeakMethod[Callable[[], Any]]] = []
+
+    def add(self, callback: Callable[[], Any]) -> None:
+        with self._lock:
+            self._callbacks.append(weakref.WeakMethod(callback))  # type: ignore[arg-type]
 
     def collect(self) -> Iterator[Metric]:
-        for ref in list(self.callbacks):
-            fn = ref()
-            if fn is None:
-                self.callbacks.remove(ref)
-            else:
-                fn()
+        with self._lock:
+            self._callbacks = [ref for ref in self._callbacks if ref() is not None]
+            live = [fn for fn in (ref() for ref in self._callbacks) if fn is not None]
+        for fn in live:
+            fn()
         return iter(())
 
 
@@ -113,7 +118,7 @@ class Metrics:
     def on_scrape(self, callback: Callable[[], Any]) -> None:
         """Call the bound method ``callback`` at each scrape, before the series are read
         (held weakly: it stops when its object is gone). Runs on the scraping thread."""
-        self._refresh.callbacks.append(weakref.WeakMethod(callback))  # type: ignore[arg-type]
+        self._refresh.add(callback)
 
     def declare_tiers(self, tiers: tuple[str, ...]) -> None:
         """Create the per-tier series of ``tiers`` at 0 (bounded label values known up front)."""

@@ -9,6 +9,7 @@ a rule (unit, ``_total``, an unknown label, undocumented) fails here.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -177,3 +178,20 @@ def test_server_tenant_label_is_capped_and_sums_the_rest(tmp_path: Path) -> None
         assert get("kvtier_server_tier_entries", {"tenant": OTHER, "tier": "cpu"}) == 3 + 4 + 5 + 6
     finally:
         storage.close()
+
+
+def test_local_tier_gauges_are_current_at_each_scrape() -> None:
+    """Nobody calls store.stats() in an engine: the scrape itself must read the local tiers."""
+    spec = NamespaceSpec("names-model", KVLayout(1, 1, 8, chunk_tokens=4), kv_dtype="float16")
+    store = TieredStore([MemoryTier(1 << 20)])
+    try:
+        cache = PrefixCache(store, spec)
+        per_token = math.prod(spec.layout.chunk_shape(1)) * 2
+        assert cache.save(list(range(12)), lambda s, e: bytes((e - s) * per_token), full_chunks_only=True) == 3
+        get = store.metrics.registry.get_sample_value
+        assert get("kvtier_tier_entries", {"tier": "memory"}) == 3
+        assert get("kvtier_tier_used_bytes", {"tier": "memory"}) == store.tiers[0].usage().used_bytes > 0
+        store.delete(cache.keys(list(range(12)))[:1])
+        assert get("kvtier_tier_entries", {"tier": "memory"}) == 2
+    finally:
+        store.close()
