@@ -260,14 +260,30 @@ def test_template_variables_resolve(scraped: Scraped) -> None:
     assert variables["tenant"] == ["acme", "beta", "other"]
 
 
+# Panels this load must move (a value > 0 in some series): the load saves, hits in both
+# tiers, evicts on both sides, and the fixture provokes one refused chunk and auth failure.
+MUST_MOVE = ("Used", "Capacity used", "Bytes in", "Bytes out", "Evictions", "Used bytes per node and tier",
+             "Evictions per node and tier", "Chunk bytes per node and path", "Requests per method and status",
+             "Refused chunks and auth failures", "Data-path connections", "Prompt-token hit rate", "Lookups",
+             "Hit tokens per tier", "Miss tokens per reason", "Evictions per tier and reason",
+             "Client tier capacity", "Tier bytes read / written", "Tokens restored per tier",
+             "Restore latency p50 / p99", "Prompt-token hit rate per client", "Chunks saved, save jobs dropped")
+
+
 def test_every_dashboard_expression_returns_data(scraped: Scraped) -> None:
     variables = resolve_variables(scraped.prom)
     empty = []
+    moved: dict[str, float] = {}
     for title, expr in dashboard_queries():
         query = substitute(expr, variables, _window(scraped))
-        if not scraped.prom.query(query):
+        result = scraped.prom.query(query)
+        if not result:
             empty.append(f"{title}: {query}")
+        values = [float(r["value"][1]) for r in result]
+        moved[title] = max([moved.get(title, 0.0), *(v for v in values if v == v)])  # NaN != NaN
     assert not empty, "panels whose PromQL returns no data:\n" + "\n".join(empty)
+    still = [title for title in MUST_MOVE if moved.get(title, 0.0) <= 0]
+    assert not still, f"panels that show only 0 under load: {still}"
 
 
 def test_prompt_token_hit_ratio_equals_the_load_generators(scraped: Scraped) -> None:

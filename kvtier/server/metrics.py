@@ -89,6 +89,12 @@ class ServerMetrics:
                                 "Chunks refused by verification, by status", ["code"], registry=r)
         self.auth_failures = Counter("kvtier_server_auth_failures_total", "Requests refused by auth",
                                      ["code"], registry=r)
+        # The codes each can carry (requests.BadRequest, auth.AuthError), declared at 0 so the
+        # first refusal shows in a rate() rather than only creating the series.
+        for code in ("INVALID_ARGUMENT", "DATA_LOSS", "RESOURCE_EXHAUSTED"):
+            self.rejected.labels(code)
+        for code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            self.auth_failures.labels(code)
         self.data_connections = Gauge("kvtier_server_data_connections", "Open data-path connections",
                                       registry=r)
         if storage is not None:
