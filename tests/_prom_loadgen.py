@@ -33,7 +33,7 @@ from kvtier.keys import KVLayout, NamespaceSpec
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, chunk_tokens=16)  # 8 KiB chunks
 SPEC = NamespaceSpec("prom-test-model", LAYOUT, kv_dtype="float16")
-PREFIXES = 16  # shared system prompts, 3 chunks each
+PREFIXES = 32  # shared system prompts, 3 chunks each: more than the local tier holds
 PREFIX_TOKENS = 3 * LAYOUT.chunk_tokens
 
 
@@ -47,17 +47,20 @@ def open_cache(nodes: list[str], token: str, tenant: str) -> PrefixCache:
     return PrefixCache.open(cfg, SPEC)
 
 
-def run(cache: PrefixCache, cm: ConnectorMetrics, requests: int, seed: int) -> dict[str, float]:
+def run(cache: PrefixCache, cm: ConnectorMetrics, requests: int, seed: int) -> dict[str, object]:
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, 32000, PREFIX_TOKENS).tolist() for _ in range(PREFIXES)]
     per_token = math.prod(LAYOUT.chunk_shape(1)) * 2  # float16 bytes of one token's K/V
     prompt_tokens = hit_tokens = loaded_tokens = 0
+    by_tier: dict[str, int] = {}
     for i in range(requests):
         suffix = rng.integers(0, 32000, int(rng.integers(8, 48))).tolist()
         tokens = prefixes[int(rng.integers(0, PREFIXES))] + suffix
         hit = cache.lookup(tokens, full_chunks_only=True)
         prompt_tokens += len(tokens)
         hit_tokens += hit.tokens
+        for tier, chunks in hit.per_tier.items():  # whole chunks only (full_chunks_only)
+            by_tier[tier] = by_tier.get(tier, 0) + chunks * LAYOUT.chunk_tokens
         if hit.tokens:
             t0 = time.perf_counter()
             loaded = cache.load(tokens, max_tokens=hit.tokens, full_chunks_only=True)
@@ -74,7 +77,7 @@ def run(cache: PrefixCache, cm: ConnectorMetrics, requests: int, seed: int) -> d
         cm.save_chunks.inc(cache.save(tokens, payload_for, full_chunks_only=True))
         time.sleep(0.01)  # spread the load over several scrapes
     return {"requests": requests, "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
-            "loaded_tokens": loaded_tokens}
+            "loaded_tokens": loaded_tokens, "hit_tokens_by_tier": by_tier}
 
 
 def main() -> None:

@@ -148,7 +148,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     tokens.write_text("".join(f"{TOKEN if t == 'acme' else f'prom-test-token-{t}-0123456789'} {t}\n"
                               for t in TENANTS))
     tokens.chmod(0o600)
-    args = ("--tokens-file", str(tokens), "--cpu-bytes", "1MiB", "--slot-bytes", "16KiB",
+    args = ("--tokens-file", str(tokens), "--cpu-bytes", "2MiB", "--slot-bytes", "16KiB",
             "--set", "metrics_label_values=2")
     gen_dir = work / "loadgen"
     gen_dir.mkdir()
@@ -303,6 +303,11 @@ def test_prompt_token_hit_ratio_equals_the_load_generators(scraped: Scraped) -> 
     assert dashboard == pytest.approx(counted, abs=1e-3)
     restored = scraped.prom.scalar(f"sum(kvtier_connector_load_tokens_total{{{sel}}})")
     assert restored == res["loaded_tokens"]
+    # Per tier too; the load is shaped so both the local tier and the cluster serve hits.
+    by_tier = {r["metric"]["tier"]: float(r["value"][1]) for r in scraped.prom.query(
+        f"sum by (tier) (kvtier_lookup_hit_tokens_total{{{sel}}})")}
+    assert by_tier == {tier: res["hit_tokens_by_tier"].get(tier, 0) for tier in ("cpu", "grpc")}
+    assert min(by_tier.values()) > 0, by_tier
 
 
 def test_deploy_prometheus_config_is_valid() -> None:
