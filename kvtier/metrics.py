@@ -4,7 +4,7 @@ histogram shares.
 Three processes export kvtier metrics, and each declares its own in one place: the library
 here (``kvtier_lookup_*``, ``kvtier_tier_*``, ``kvtier_store_*``, ...), kvtier-server in
 ``kvtier.server.metrics`` (``kvtier_server_*``) and the vLLM connector in
-``kvtier_vllm.stats`` (``kvtier_connector_*``, registered on this module's registry). All of
+``kvtier_vllm.metrics`` (``kvtier_connector_*``, registered on this module's registry). All of
 them take their histogram buckets from :data:`LATENCY_BUCKETS`.
 
 Names follow ``kvtier_<subsystem>_<what>_<unit>`` (counters end ``_total``; the catalogue and
