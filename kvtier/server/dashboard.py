@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from kvtier.server import usage_view
+
 log = logging.getLogger(__name__)
 PEER_TIMEOUT_S = 1.0  # per peer, connect to last byte; the page waits at most this long
 MAX_REPLY_BYTES = 8 << 20  # a stats document is KiBs; anything bigger is not one
@@ -214,11 +216,14 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
     every node can be given the same list), and cluster totals over the nodes that are up."""
     me = str(local.get("node_id", ""))
     nodes = [node_summary(local, "self")]
+    usage = [(me, local.get("usage") or {})]
     for reply in replies:
         if reply.doc is None:
             nodes.append(down_node(reply))
         elif str(reply.doc.get("node_id", "")) != me:
             nodes.append(_peer_summary(reply))
+            if nodes[-1]["up"] and _usage_ok(reply.doc.get("usage")):
+                usage.append((nodes[-1]["node_id"], reply.doc["usage"]))
     up = [n for n in nodes if n["up"]]
     total: Counter[str] = Counter()
     evictions: Counter[str] = Counter()
@@ -242,4 +247,17 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
                    "hit_rate": _rate(total["hit_chunks"], total["miss_chunks"]),
                    "evictions": dict(evictions), "miss_reasons": dict(misses)},
         "tiers": [{"name": name, **dict(c)} for name, c in tiers.items()],
+        "engines": usage_view.engines_document(usage),
     }
+
+
+def _usage_ok(usage: Any) -> bool:
+    """A peer's ``usage`` section merges (an older peer has none: nothing to merge)."""
+    if not isinstance(usage, dict):
+        return False
+    try:
+        usage_view.engines_document([("peer", usage)])
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        log.info("peer usage section ignored: %r", exc)
+        return False
+    return True
