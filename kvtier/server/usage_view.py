@@ -151,7 +151,8 @@ def engines_document(docs: Iterable[tuple[str, Mapping[str, Any]]], buckets: int
         for p, hits, nbytes in e["top_prefixes"]:
             prefixes[str(p)][0] += int(hits)
             prefixes[str(p)][1] += int(nbytes)
-    top = [{"prefix": p, "hit_tokens": h, "restored_bytes": b} for p, (h, b) in prefixes.items()]
+    top: list[dict[str, Any]] = [{"prefix": p, "hit_tokens": h, "restored_bytes": b}
+                                 for p, (h, b) in prefixes.items()]
     replicas = _group(merged, ("tenant", "model", "replica"))
     return {
         "bucket_s": bucket_s, "reporting": sum(1 for r in replicas if not r["stale"]),
@@ -162,7 +163,7 @@ def engines_document(docs: Iterable[tuple[str, Mapping[str, Any]]], buckets: int
         "series_by_model": {r["model"]: _series([e for e in merged if e["model"] == r["model"]], bucket_s, first, last)
                             for r in by_model[:SERIES_MODELS]},
         "replicas": replicas, "models": by_model, "tenants": _group(merged, ("tenant",)),
-        "top_prefixes_by_hits": sorted(top, key=lambda x: (-x["hit_tokens"], x["prefix"]))[:TOP],
-        "top_prefixes_by_bytes": sorted(top, key=lambda x: (-x["restored_bytes"], x["prefix"]))[:TOP],
+        "top_prefixes_by_hits": sorted(top, key=lambda x: (-int(x["hit_tokens"]), str(x["prefix"])))[:TOP],
+        "top_prefixes_by_bytes": sorted(top, key=lambda x: (-int(x["restored_bytes"]), str(x["prefix"])))[:TOP],
     }
 
