@@ -86,7 +86,7 @@ class KVTierServer:
         self.ports: dict[str, int] = {}
         self.started = time.monotonic()
         self.draining = False
-        self.usage = UsageAggregator()  # what engines report (ReportUsage), for /api/cluster
+        self.usage = UsageAggregator(bucket_s=cfg.usage_bucket_s)  # what engines report (ReportUsage), for /api/cluster
 
     async def start(self) -> dict[str, int]:
         cfg = self.cfg

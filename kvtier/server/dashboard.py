@@ -123,8 +123,15 @@ async def cluster(local: dict[str, Any], peers: Sequence[str],
 
 
 def dashboard_html() -> bytes:
-    """The page, shipped as package data (kvtier/server/static/dashboard.html)."""
-    return resources.files("kvtier.server").joinpath("static/dashboard.html").read_bytes()
+    """The page, shipped as package data: kvtier/server/static/dashboard.html with the
+    scripts next to it (charts.js, dashboard.js) inlined at its SCRIPTS marker, so that one
+    self-contained document is served (the CSP allows inline scripts only)."""
+    static = resources.files("kvtier.server").joinpath("static")
+    scripts = "\n".join(static.joinpath(name).read_text() for name in ("charts.js", "dashboard.js"))
+    if "</script" in scripts.lower():
+        raise ValueError("a dashboard script contains '</script': it would end the inline block")
+    page = static.joinpath("dashboard.html").read_text()
+    return page.replace("<!--SCRIPTS-->", f"<script>\n{scripts}</script>", 1).encode()
 
 
 # --- pure half -------------------------------------------------------------------------------
