@@ -27,9 +27,10 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
     pytest.skip("no chromium (apt-get install chromium)", allow_module_level=True)
 
-from kvtier.config import KVTierConfig  # noqa: E402
 from kvtier_hf import KVTierHF  # noqa: E402
 from kvtier_hf.random_llama import TEST_SPEC, TinyLlamaSpec, build_random_llama, random_prompt  # noqa: E402
+
+from kvtier.config import KVTierConfig  # noqa: E402
 from tests.kvtier_servers import ROOT, ServerProc, start_server  # noqa: E402
 from tests.test_dashboard import free_port  # noqa: E402
 from tests.test_usage_e2e import get_json  # noqa: E402

@@ -56,8 +56,9 @@ def split_hostport(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def parse_http_reply(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a complete ``HTTP/1.x 200`` reply; ValueError for anything else."""
+def parse_http_reply(raw: bytes, stats: bool = True) -> dict[str, Any]:
+    """The JSON object of a complete ``HTTP/1.x 200`` reply (a /api/stats document unless
+    ``stats`` is false); ValueError for anything else."""
     head, sep, body = raw.partition(b"\r\n\r\n")
     if not sep:
         raise ValueError("truncated reply")
@@ -67,7 +68,9 @@ def parse_http_reply(raw: bytes) -> dict[str, Any]:
     if status[1] != b"200":
         raise ValueError(f"HTTP {status[1].decode('ascii', 'replace')}")
     doc = json.loads(body)
-    if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list):
+    if not isinstance(doc, dict) and not stats:
+        raise ValueError("not a JSON object")  # noqa: TRY004 - bad peer data, not a caller bug
+    if stats and (not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list)):
         raise ValueError("not a kvtier /api/stats document")  # noqa: TRY004 - bad peer data, not a caller bug
     return doc
 
@@ -92,7 +95,12 @@ async def fetch_stats(address: str, timeout: float = PEER_TIMEOUT_S) -> PeerRepl
     return PeerReply(address, None, error, time.monotonic() - start)
 
 
-async def _get(address: str, path: str) -> dict[str, Any]:
+async def get_json(address: str, path: str) -> dict[str, Any]:
+    """GET http://address/path: its JSON object (no deadline here: the caller sets one)."""
+    return await _get(address, path, stats=False)
+
+
+async def _get(address: str, path: str, stats: bool = True) -> dict[str, Any]:
     host, port = split_hostport(address)
     reader, writer = await asyncio.open_connection(host, port)
     try:
@@ -106,7 +114,7 @@ async def _get(address: str, path: str) -> dict[str, Any]:
             raw += more
         if len(raw) > MAX_REPLY_BYTES:
             raise ValueError(f"reply over {MAX_REPLY_BYTES} bytes")
-        return parse_http_reply(raw)
+        return parse_http_reply(raw, stats)
     finally:
         writer.close()
 
