@@ -40,7 +40,7 @@ HOSTILE_NODE = '<img src=x onerror="window.__pwned=1">node-b'
 HOSTILE_REPLICA = "<script>window.__pwned=2</script>replica"
 INTERVAL = 0.5
 BUCKET_S = 2.0 if not UPDATE else 5.0
-LOAD_S = 10.0 if not UPDATE else 150.0
+LOAD_S = 10.0 if not UPDATE else 120.0
 
 
 @pytest.fixture()

@@ -215,3 +215,15 @@ def test_one_replica_on_two_nodes_is_counted_once_and_stale_only_when_both_say_s
 def test_merge_of_nothing_is_an_empty_picture() -> None:
     doc = engines_document([("a", UsageAggregator().document())])
     assert doc["totals"]["hit_ratio"] is None and doc["replicas"] == [] and len(doc["series"]) == 1
+
+
+def test_a_report_filed_either_side_of_a_bucket_boundary_counts_once() -> None:
+    ca, cb = Clock(1_000_009.995), Clock(1_000_010.005)  # the same report reaches a, then b 10 ms later
+    a, b = UsageAggregator(clock=ca), UsageAggregator(clock=cb)
+    for seq, prompt in enumerate((100, 250, 400), 1):
+        for agg in (a, b):
+            agg.apply("t", report(usage(prompt, prompt // 2), seq=seq))
+        ca.t += 10
+        cb.t += 10
+    doc = engines_document([("a", a.document()), ("b", b.document())])
+    assert sum(p for _, p, _, _ in doc["series"]) == doc["totals"]["prompt_tokens"] == 400

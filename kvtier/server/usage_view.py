@@ -3,7 +3,7 @@
 Every replica reports to every node its store uses, so the same key ``(tenant, model, replica,
 source)`` usually appears on several nodes, with the same cumulative figures. Copies are merged,
 never added: per counter the largest value (a node that missed reports, or restarted, has less,
-never more), per time bucket the largest prompt and hit counts, the freshest ``age_s`` (a
+never more), the time series of the copy that holds the most tokens, the freshest ``age_s`` (a
 replica is stale only when no node heard from it for 3 intervals). Keys are then summed into
 replicas (over sources), models, tenants and the cluster. Pure: no I/O; unit-tested directly.
 
@@ -43,13 +43,13 @@ def merge_copies(docs: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[list[di
     merged = []
     for key, group in copies.items():
         totals: dict[str, float] = {}
-        series: dict[int, list[float]] = {}
         for _, e in group:
             for name, v in e.get("totals", {}).items():
                 totals[name] = max(totals.get(name, 0.0), float(v))
-            for b, p, h in e.get("series", ()):
-                cell = series.setdefault(int(b), [0.0, 0.0])
-                cell[0], cell[1] = max(cell[0], float(p)), max(cell[1], float(h))
+        # One copy's series, the most complete: two nodes may file the same report in adjacent
+        # buckets (it reached them either side of a boundary), so buckets must not be mixed.
+        fullest = max((e for _, e in group), key=lambda e: sum(float(p) for _, p, _ in e.get("series", ())))
+        series = {int(b): [float(p), float(h)] for b, p, h in fullest.get("series", ())}
         freshest = min((e for _, e in group), key=lambda e: float(e.get("age_s", 0.0)))
         merged.append({
             "tenant": key[0], "model": key[1], "replica": key[2], "source": key[3],
