@@ -95,7 +95,8 @@ function ratioChart(el, lines, volume, bucketS) {
       dot.append(s("title", {}, `${line.name} ${clock(t)}: ${(100 * r).toFixed(1)}%`));
       chart.append(dot);
     }
-    if (d) chart.append(s("path", {d, style: `fill: none; stroke: ${line.color}; stroke-width: ${line.width}; stroke-linejoin: round`}));
+    const faint = line.width > 2 ? "" : "; opacity: .75";  // the cluster line stays on top visually
+    if (d) chart.append(s("path", {d, style: `fill: none; stroke: ${line.color}; stroke-width: ${line.width}; stroke-linejoin: round${faint}`}));
   }
   const legend = document.createElement("div");
   legend.className = "legend";

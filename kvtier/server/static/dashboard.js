@@ -50,12 +50,13 @@ function card(label, value, sub, tone, id) {
 function renderEngines(e) {
   const t = e.totals;
   const ratio = t.ttft_ms_hit && t.ttft_ms_miss ? t.ttft_ms_miss / t.ttft_ms_hit : null;
-  const speedup = ratio === null ? "" : ratio >= 1 ? ` \u00b7 hits ${ratio.toFixed(1)}\u00d7 faster` : ` \u00b7 hits ${(1 / ratio).toFixed(1)}\u00d7 slower`;
+  const speedup = ratio === null ? "" : Math.abs(ratio - 1) < 0.05 ? " (about the same)"
+    : ratio > 1 ? ` \u00b7 hits ${ratio.toFixed(1)}\u00d7 faster` : ` \u00b7 hits ${(1 / ratio).toFixed(1)}\u00d7 slower`;
   $("engine-cards").replaceChildren(
     card("prompt-token hit ratio", pct(t.hit_ratio), `${count(t.hit_tokens)} of ${count(t.prompt_tokens)} prompt tokens from cache`,
          t.hit_ratio === null ? "" : "good", "hit_ratio"),
     card("prefill saved", count(t.prefill_tokens_saved) + " tok", `${bytes(t.restored_bytes)} restored \u00b7 ${count(t.lookups)} prompts`, "", "prefill_tokens_saved"),
-    card("TTFT hit / miss", `${ms(t.ttft_ms_hit)} / ${ms(t.ttft_ms_miss)}`, "mean time to first token" + speedup, "", "ttft"),
+    card("TTFT with a hit", ms(t.ttft_ms_hit), `mean time to first token \u00b7 without: ${ms(t.ttft_ms_miss)}` + speedup, "", "ttft"),
     card("restore latency", `${ms(t.restore_ms_p50)}`, `p50 \u00b7 p95 ${ms(t.restore_ms_p95)} \u00b7 mean ${ms(t.restore_ms_mean)}`, "", "restore"),
     card("replicas", `${e.reporting} reporting`, e.stopped.length ? `${e.stopped.length} stopped reporting` : "all reporting",
          e.stopped.length ? "bad" : "", "replicas"),
@@ -65,7 +66,7 @@ function renderEngines(e) {
   const lines = [{name: "cluster", color: "var(--fg)", width: 3, points: e.series.map(([tt, , , r]) => [tt, r])}];
   const models = Object.entries(e.series_by_model);
   if (models.length > 1) models.forEach(([model, pts], i) => {  // one model: its line is the cluster's
-    lines.push({name: model, color: COLORS[i % COLORS.length], width: 1.6, points: pts.map(([tt, , , r]) => [tt, r])});
+    lines.push({name: model, color: COLORS[i % COLORS.length], width: 1.4, points: pts.map(([tt, , , r]) => [tt, r])});
   });
   ratioChart($("ratio-chart"), lines, e.series.map(([tt, p]) => [tt, p]), e.bucket_s);
   valueBars($("tier-chart"), Object.entries(t.hits_per_tier), (v) => count(v) + " tok", "no hits yet");
@@ -85,8 +86,10 @@ function renderEngines(e) {
   $("stopped").replaceChildren(...(e.stopped.length ? [h("div", {class: "sub-h"}, "stopped reporting"),
     h("div", {class: "chips"}, e.stopped.map((r) => h("span", {class: "chip", title: `model ${r.model}, tenant ${r.tenant}`},
       `${r.replica} \u00b7 silent ${duration(r.age_s)}`)))] : []));
-  valueBars($("prefix-hits"), e.top_prefixes_by_hits.map((p) => [p.prefix, p.hit_tokens]), (v) => count(v) + " tok", "no prefix hits yet", "var(--c1)");
-  valueBars($("prefix-bytes"), e.top_prefixes_by_bytes.map((p) => [p.prefix, p.restored_bytes]), bytes, "no restores yet", "var(--c3)");
+  valueBars($("ns-bytes"), e.models.map((m) => [m.model, m.restored_bytes]), bytes, "no restores yet", "var(--c5)");
+  // Prefixes are named by their first chunk key: 12 hex digits tell them apart on screen.
+  valueBars($("prefix-hits"), e.top_prefixes_by_hits.map((p) => [p.prefix.slice(0, 12), p.hit_tokens]), (v) => count(v) + " tok", "no prefix hits yet", "var(--c1)");
+  valueBars($("prefix-bytes"), e.top_prefixes_by_bytes.map((p) => [p.prefix.slice(0, 12), p.restored_bytes]), bytes, "no restores yet", "var(--c3)");
 }
 
 // --- storage nodes -------------------------------------------------------------------------
