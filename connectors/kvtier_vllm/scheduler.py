@@ -298,8 +298,9 @@ class SchedulerSide:
             "failure_reason": st.outcome.reason if st.outcome and st.outcome.ok_end < st.outcome.end else "",
             "saved_tokens": st.saved_upto,
         }}
+        failed = st.outcome is not None and st.outcome.ok_end < st.outcome.end
         self.usage.on_finished(int(getattr(request, "num_prompt_tokens", 0) or 0), st.hit_tokens,
-                               st.hit_tiers, self.chunk, params["kvtier"]["failure_reason"])
+                               st.hit_tiers, self.chunk, st.outcome.reason if st.outcome and failed else "")
         # An async load still writing into these blocks: vLLM frees them on finished_recving.
         return st.async_inflight, params
 
