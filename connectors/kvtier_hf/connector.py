@@ -151,7 +151,11 @@ class KVTierHF:
     ``cache``: a :class:`PrefixCache` is used as given (its namespace names the model; its
     layout and KV dtype must be this model's, else ValueError); a :class:`KVTierConfig` (or
     None: defaults) opens one with the namespace :func:`namespace_for` derives. Raises
-    ValueError for models with sliding-window layers."""
+    ValueError for models with sliding-window layers.
+
+    Usage reports (kvtier.usage): a KVTierHF that opens its cache from a config with a ``grpc``
+    tier sends its counters to those nodes under ``replica_id`` (else ``usage.replica_id``,
+    else host-pid); one handed a PrefixCache reports nothing (it has no node list)."""
 
     def __init__(self, model: PreTrainedModel, cache: PrefixCache | KVTierConfig | None = None, *,
                  chunk_tokens: int | None = None, model_id: str | None = None,

@@ -63,6 +63,7 @@ class UsageReporter:
                               else grpc.insecure_channel(a, opts)) for a in self.nodes}
         self._calls = {a: ch.unary_unary(METHOD) for a, ch in self._channels.items()}
         self._stop = threading.Event()
+        self._send_lock = threading.Lock()
         self._refs = 1
         self._thread = threading.Thread(target=self._run, name=f"kvtier-usage-{source}", daemon=True)
         self._thread.start()
@@ -72,7 +73,12 @@ class UsageReporter:
             self.send_now()
 
     def send_now(self, timeout_s: float | None = None) -> int:
-        """Send the current counters to every node; returns how many nodes took them."""
+        """Send the current counters to every node; returns how many nodes took them. One
+        send at a time (the thread's tick, :meth:`close` and callers that want a report now)."""
+        with self._send_lock:
+            return self._send(timeout_s)
+
+    def _send(self, timeout_s: float | None) -> int:
         self._seq += 1
         report = report_of(self.replica, self.source, self.model, self.interval_s,
                            time.monotonic() - self._started, self._seq, self.counters.snapshot(),
