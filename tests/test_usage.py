@@ -103,7 +103,7 @@ _fields = st.fixed_dictionaries({}, optional={
     "top_prefixes": st.lists(st.lists(st.text(max_size=4) | st.integers(), max_size=4) | _json, max_size=20) | _json})
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=300) | _fields.map(lambda d: json.dumps(d).encode()))
 def test_decoder_fuzz_returns_a_report_or_raises_report_error(raw: bytes) -> None:
     try:

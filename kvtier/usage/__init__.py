@@ -10,6 +10,5 @@ The server side (deltas, restarts, stale replicas, caps) is :mod:`kvtier.server.
 """
 
 from kvtier.usage.counters import UsageCounters
-from kvtier.usage.reporter import UsageReporter, reporter_for
 
-__all__ = ["UsageCounters", "UsageReporter", "reporter_for"]
+__all__ = ["UsageCounters"]

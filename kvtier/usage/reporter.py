@@ -23,10 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-import grpc
-
 from kvtier.config import KVTierConfig
-from kvtier.tiers.remote.node import channel_credentials, channel_options, read_token
 from kvtier.usage.counters import UsageCounters
 from kvtier.usage.wire import encode_report, report_of
 
@@ -53,6 +50,12 @@ class UsageReporter:
         self.counters = UsageCounters()
         self.sent = 0  # reports a node accepted
         self.dropped = 0  # reports a node did not take (down, slow, refused)
+        # grpc is an optional extra: imported only when a store has a grpc tier to report to.
+        import grpc
+
+        from kvtier.tiers.remote.node import channel_credentials, channel_options, read_token
+
+        self._grpc = grpc
         self._seq = 0
         self._started = time.monotonic()  # the counters' start: uptime_s in reports
         token = read_token(cfg.grpc)
@@ -89,8 +92,8 @@ class UsageReporter:
         for address, call in self._calls.items():
             try:
                 call(payload, timeout=deadline, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                code = exc.code() if isinstance(exc, grpc.Call) else None
+            except self._grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, self._grpc.Call) else None
                 self.dropped += 1
                 log.debug("usage report to %s dropped: %s", address, code.name if code else exc)
             else:
