@@ -227,3 +227,24 @@ def test_a_report_filed_either_side_of_a_bucket_boundary_counts_once() -> None:
         cb.t += 10
     doc = engines_document([("a", a.document()), ("b", b.document())])
     assert sum(p for _, p, _, _ in doc["series"]) == doc["totals"]["prompt_tokens"] == 400
+
+
+def test_engine_usage_as_prometheus_series() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvtier.server.usage_metrics import EngineUsageCollector
+
+    clock = Clock()
+    agg = UsageAggregator(clock=clock)
+    agg.apply("t", report(usage(100, 60)))
+    agg.apply("t", report(usage(40, 10, tier="disk"), source="other-source"))  # same replica: summed
+    agg.apply("t", report(usage(10, 0), replica="r2", interval=1.0))
+    clock.t += 4
+    registry = CollectorRegistry()
+    registry.register(EngineUsageCollector(agg))
+    text = generate_latest(registry).decode()
+    assert 'kvtier_server_engine_prompt_tokens_total{model="m",replica="r1",tenant="t"} 140.0' in text
+    assert 'kvtier_server_engine_hit_tokens_total{model="m",replica="r1",tenant="t",tier="disk"} 10.0' in text
+    assert 'kvtier_server_engine_miss_tokens_total{model="m",reason="absent",replica="r2",tenant="t"} 10.0' in text
+    assert 'kvtier_server_engine_replica_reporting{model="m",replica="r2",tenant="t"} 0.0' in text
+    assert 'kvtier_server_engine_replica_reporting{model="m",replica="r1",tenant="t"} 1.0' in text

@@ -37,6 +37,7 @@ from kvtier.server.requests import Limits
 from kvtier.server.servicer import SERVICE, Endpoint, KVTierServicer
 from kvtier.server.storage import Storage
 from kvtier.server.usage import UsageAggregator
+from kvtier.server.usage_metrics import EngineUsageCollector
 
 log = logging.getLogger("kvtier.server")
 
@@ -96,6 +97,7 @@ class KVTierServer:
             store_factory=store_factory(cfg)))
         self.metrics = ServerMetrics(self.storage)
         self.metrics.registry.register(LowerCollector(self.storage))
+        self.metrics.registry.register(EngineUsageCollector(self.usage))
         limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
                         cfg.max_message_bytes)
         tls_ctx = server_ssl_context(cfg)
