@@ -71,6 +71,9 @@ HELP = {
     "store.selective_min_hits": "hits before write_through_selective writes a chunk down",
     "store.queue_depth": "write-behind batches queued before writes are dropped",
     "store.promote_on_load": "copy chunks served by a lower tier into the tiers above",
+    "usage.enabled": "connectors send usage reports to the grpc nodes (the /dashboard's engine figures)",
+    "usage.interval_s": "seconds between two usage reports (cumulative counters)",
+    "usage.replica_id": "this engine replica's name in reports (empty: host-pid, or the engine's id)",
 }
 
 

@@ -79,7 +79,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 cfg, settings, block_size=self._block_size,
                 engine_id=str(self._kv_transfer_config.engine_id),
                 dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
-                world_size=pc.tensor_parallel_size * pc.pipeline_parallel_size, kv_events=kv_events)
+                world_size=pc.tensor_parallel_size * pc.pipeline_parallel_size, kv_events=kv_events,
+                model=settings.model_id or str(vllm_config.model_config.model))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

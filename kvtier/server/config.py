@@ -56,6 +56,8 @@ class ServerConfig:
     # Other servers' HTTP side ports (host:http_port) shown on this node's /dashboard; this
     # node may be listed too (skipped by node id), so every node can share one list.
     peers: tuple[str, ...] = ()
+    # Width of one point of the engines' hit-ratio-over-time chart (90 points are kept).
+    usage_bucket_s: float = field(default=10.0, metadata=value_range(0.5, 3600))
     # Auth: empty = off (one tenant, "default"). Format in kvtier.server.auth.
     tokens_file: str = ""
     # Quota (a cap on RAM and on disk, within the shared budgets) of tenants whose token line
