@@ -29,6 +29,8 @@ from kvtier.server.auth import Tenant
 from kvtier.server.lower import LowerCollector
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.storage import Storage
+from kvtier.server.usage import UsageAggregator
+from kvtier.server.usage_metrics import EngineUsageCollector
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 from kvtier.tiers.memory import MemoryTier
@@ -37,7 +39,7 @@ from tests.kvtier_servers import ROOT, make_chunk, make_keys
 DOC = ROOT / "docs" / "metrics.md"
 # Label names whose values are bounded (docs/metrics.md says by what). tenant/model: capped.
 BOUNDED_LABELS = {"tier", "reason", "op", "method", "code", "direction", "path", "outcome"}
-CAPPED_LABELS = {"tenant", "model"}
+CAPPED_LABELS = {"tenant", "model", "replica"}  # replica: the usage aggregator's caps
 # Unit spellings Prometheus asks to replace by base units (_seconds, _bytes, ratios).
 NON_BASE_UNITS = re.compile(r"_(ms|msec|millis|milliseconds|us|usec|microseconds|ns|nanoseconds|"
                             r"minutes|hours|days|kb|mb|gb|kib|mib|gib|kilobytes|megabytes|percent)(_|$)")
@@ -81,6 +83,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Family]]
     ConnectorMetrics(client)
     server = ServerMetrics(storage)
     server.registry.register(LowerCollector(storage, server.tenant_label))
+    server.registry.register(EngineUsageCollector(UsageAggregator()))
     try:
         out = [*_families(client.registry), *_families(server.registry)]
         yield out
@@ -93,7 +96,7 @@ def test_registries_are_scanned(families: list[Family]) -> None:
     # One known name per declaring module: the scan reaches all of them.
     for name in ("kvtier_lookup_hit_tokens_total", "kvtier_connector_load_tokens_total",
                  "kvtier_server_requests_total", "kvtier_server_tier_used_bytes",
-                 "kvtier_server_lower_writes_total"):
+                 "kvtier_server_lower_writes_total", "kvtier_server_engine_prompt_tokens_total"):
         assert name in names, name
     assert len(names) == len(families), "a metric name is declared twice"
 
