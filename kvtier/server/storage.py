@@ -185,20 +185,19 @@ class TenantStore:
         return first
 
     @contextmanager
-    def leased_ram(self, key: bytes) -> Iterator[memoryview | None]:
-        """A zero-copy view of ``key``'s chunk in the RAM tier for the ``with`` block (see
-        :meth:`CpuTier.leased`: the slot is not reused meanwhile), counted as a RAM hit; None
-        when RAM does not hold it (the caller then takes :meth:`get_into`, which looks below
-        and promotes)."""
+    def leased_ram(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
+        """Zero-copy views of ``keys``' chunks in the RAM tier for the ``with`` block (see
+        :meth:`CpuTier.leased_many`: the slots are not reused meanwhile), counted as RAM hits;
+        None for a key RAM does not hold (the caller then takes :meth:`get_into`, which looks
+        below and promotes)."""
         if self.ram is None:
-            yield None
+            yield [None] * len(keys)
             return
-        with self.ram.leased(key) as view:
-            if isinstance(view, Miss):
-                yield None
-                return
-            self._count_get(1, [view.nbytes], [view.nbytes])
-            yield view
+        with self.ram.leased_many(keys) as views:
+            hits = [v for v in views if not isinstance(v, Miss)]
+            if hits:
+                self._count_get(len(hits), hits, [v.nbytes for v in hits])
+            yield [None if isinstance(v, Miss) else v for v in views]
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         """Chunks copied into ``outs`` (no allocation); a disk hit is promoted into RAM.
@@ -333,6 +332,10 @@ class Storage:
 
     def max_chunk_bytes(self) -> int:
         return min(s.max_chunk_bytes for s in self.stores.values())
+
+    def slot_bytes(self) -> int:
+        """The RAM tier's slot size (its largest chunk), 0 without a RAM tier."""
+        return max((s.ram.slot_bytes for s in self.stores.values() if s.ram is not None), default=0)
 
     def check(self) -> list[str]:
         return [p for s in self.stores.values() for p in s.check()]

@@ -251,6 +251,26 @@ class CpuTier(BoundedTier):
             with self._lock:
                 self._leave(slot)
 
+    @contextmanager
+    def leased_many(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | Miss]]:
+        """:meth:`leased` for several keys at once, under one lock hold (a server sends the
+        views with one ``sendmsg``): per key a read-only view or a :class:`Miss`, every slot
+        leased until the ``with`` block ends. The same rules as :meth:`leased`; a caller bounds
+        how many slots it holds at once (each is unavailable to ``put`` meanwhile)."""
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            hits = [self._acquire(key) for key in keys]
+        arena, slot_bytes = self._arena, self.slot_bytes
+        try:
+            yield [hit if isinstance(hit, Miss)
+                   else arena[hit[0] * slot_bytes : hit[0] * slot_bytes + hit[1]].toreadonly() for hit in hits]
+        finally:
+            with self._lock:
+                for hit in hits:
+                    if not isinstance(hit, Miss):
+                        self._leave(hit[0])
+
     def put(self, entries: Sequence[Entry]) -> list[bool]:
         check_keys([e.key for e in entries])
         evicted: list[tuple[bytes, bytes]] = []
