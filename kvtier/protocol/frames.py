@@ -115,7 +115,7 @@ __all__ = [
     "parse_shm_ready", "parse_text", "parse_welcome",
 ]
 
-BodyTarget = Callable[[FrameHeader], memoryview | None]
+BodyTarget = Callable[[FrameHeader], memoryview | tuple[memoryview, memoryview] | None]
 
 
 class FrameReader:
@@ -125,7 +125,10 @@ class FrameReader:
     reader.advance(n)`` until a frame comes out. ``buffer()`` never spans two frames, so a
     read never takes bytes of the next frame. ``body_target(header)`` (optional) may return a
     buffer of at least ``header.length`` bytes to receive that frame's body (e.g. the caller's
-    ``get_into`` destination); None means the reader's own reusable buffer.
+    ``get_into`` destination), or two buffers whose sizes add up to ``header.length`` exactly:
+    the body's first part lands in the first, the rest in the second (the frame's ``body``
+    and ``tail``: a server receives a PUT's keys in one and its chunk in a store slot); None
+    means the reader's own reusable buffer.
     """
 
     def __init__(self, limits: WireLimits, body_target: BodyTarget | None = None) -> None:
@@ -136,6 +139,7 @@ class FrameReader:
         self._got = 0
         self._header: FrameHeader | None = None
         self._body: memoryview | None = None
+        self._tail: memoryview | None = None  # the second part of a split body target
 
     def need(self) -> int:
         """Bytes still missing for the current header or body (always >= 1)."""
@@ -147,6 +151,8 @@ class FrameReader:
         if self._header is None:
             return memoryview(self._head)[self._got :]
         assert self._body is not None
+        if self._tail is not None and self._got >= self._body.nbytes:
+            return self._tail[self._got - self._body.nbytes :]
         return self._body[self._got :]
 
     def advance(self, n: int) -> Frame | None:
@@ -168,6 +174,13 @@ class FrameReader:
 
     def _body_buffer(self, header: FrameHeader) -> memoryview:
         target = self.body_target(header) if self.body_target is not None else None
+        if isinstance(target, tuple):
+            head, tail = target
+            if head.nbytes + tail.nbytes != header.length:
+                raise ValueError(f"split body target of {head.nbytes} + {tail.nbytes} bytes for a "
+                                 f"{header.length}-byte body")
+            self._tail = tail
+            return head
         if target is not None:
             if target.nbytes < header.length:
                 raise ValueError(f"body target of {target.nbytes} bytes for a {header.length}-byte body")
@@ -179,8 +192,8 @@ class FrameReader:
 
     def _finish(self, body: memoryview) -> Frame:
         assert self._header is not None
-        frame = Frame(self._header, body)
-        self._header, self._body, self._got = None, None, 0
+        frame = Frame(self._header, body, self._tail)
+        self._header, self._body, self._tail, self._got = None, None, None, 0
         return frame
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
@@ -192,7 +205,7 @@ class FrameReader:
         while pos < len(view):
             if (self._header is not None and self._got == 0 and isinstance(data, bytes)
                     and len(view) - pos >= self._header.length and self._body is not None
-                    and self._body.obj is self._own):
+                    and self._body.obj is self._own and self._tail is None):
                 self._body = view[pos : pos + self._header.length]
                 pos += self._header.length
                 frames.append(self._finish(self._body))

@@ -185,6 +185,11 @@ def parse_put(frame: Frame) -> PutItem:
         raise ProtocolError(f"PUT body of {frame.body.nbytes} bytes has no room for its keys")
     body = frame.body
     parent = bytes(body[KEY_BYTES:head]) if head > KEY_BYTES else b""
+    if frame.tail is not None:  # split by the receiver: the keys in body, the chunk in tail
+        if body.nbytes != head or frame.header.flags & SHM:
+            raise ProtocolError(f"PUT split after {body.nbytes} bytes, its keys take {head}")
+        return PutItem(bytes(body[:KEY_BYTES]), parent, frame.header.count, frame.tail,
+                       bool(frame.header.flags & MORE))
     chunk: memoryview | ShmRef = parse_ref(body[head:], "PUT") if frame.header.flags & SHM else body[head:]
     return PutItem(bytes(body[:KEY_BYTES]), parent, frame.header.count, chunk, bool(frame.header.flags & MORE))
 

@@ -81,8 +81,12 @@ def parse_header(data: bytes | bytearray | memoryview, limits: WireLimits) -> Fr
 
 @dataclass(frozen=True)
 class Frame:
+    """A decoded frame. ``tail`` is set only when the reader's caller split the body (see
+    ``FrameReader``'s ``body_target``): ``body`` is then its first part and ``tail`` the rest."""
+
     header: FrameHeader
     body: memoryview
+    tail: memoryview | None = None
 
     @property
     def type(self) -> int:

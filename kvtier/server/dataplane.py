@@ -44,9 +44,14 @@ from collections.abc import Sequence
 
 import grpc
 
+from kvtier.keys import KEY_BYTES
 from kvtier.protocol.frames import (
+    PARENT,
+    PUT,
+    SHM,
     SHM_OPEN,
     Buffers,
+    FrameHeader,
     FrameReader,
     ProtocolError,
     PutItem,
@@ -70,6 +75,7 @@ from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import BadRequest, Limits, make_entry
 from kvtier.server.storage import Storage, TenantStore
 from kvtier.tiers.base import Miss
+from kvtier.tiers.cpu import Reservation
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 600.0
@@ -87,6 +93,41 @@ class _Batch:
         self.flags: list[bool] = []
         self.error: BadRequest | None = None
         self.new_keys: list[bytes] = []
+
+
+class _DirectPut:
+    """Where a connection's PUT bodies land: the keys in a small buffer and the chunk straight
+    in a RAM slot the store reserves for it (:meth:`TenantStore.reserve`: no copy after the
+    kernel's), when the store takes it so; else the reader's own buffer and a copying put.
+    Holds at most one reservation (the frame being received); ``take`` hands it to the put,
+    ``abort`` gives it back when the frame never completes."""
+
+    def __init__(self, store: TenantStore) -> None:
+        self.store = store
+        self.refusing = False  # the batch was refused: its remaining items are only drained
+        self.reservation: Reservation | None = None
+        self._keys = memoryview(bytearray(2 * KEY_BYTES))
+
+    def target(self, header: FrameHeader) -> tuple[memoryview, memoryview] | None:
+        if header.type != PUT or header.flags & SHM or self.refusing:
+            return None
+        head = 2 * KEY_BYTES if header.flags & PARENT else KEY_BYTES
+        if header.length <= head:
+            return None  # no chunk: parse_put / verification refuse it
+        self.abort()  # (cannot hold one here: the previous frame completed or failed)
+        self.reservation = self.store.reserve(header.length - head)
+        if self.reservation is None:
+            return None
+        return self._keys[:head], self.reservation.view
+
+    def take(self) -> Reservation | None:
+        res, self.reservation = self.reservation, None
+        return res
+
+    def abort(self) -> None:
+        res = self.take()
+        if res is not None:
+            self.store.abort(res)
 
 
 class DataPlane:
@@ -193,7 +234,8 @@ class DataPlane:
         send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
                                        "max_batch_keys": self.limits.max_batch_keys}))
         store = self.storage.store(tenant.name)
-        reader = FrameReader(self.wire_limits)
+        direct = _DirectPut(store)
+        reader = FrameReader(self.wire_limits, direct.target)
         # Reused for every chunk this connection sends. An anonymous mapping: pages become
         # resident only when first written, and then stay (no per-request page faults).
         scratch_map = mmap.mmap(-1, self.limits.max_chunk_bytes)
@@ -214,11 +256,13 @@ class DataPlane:
                     self._get(sock, store, request, scratch, seg.view)
                     continue
                 assert isinstance(request, PutItem)
-                self._put_item(store, request, batch, seg.view)
+                self._put_item(store, request, batch, seg.view, direct.take())
                 if not request.more:
                     self._reply_put(sock, store, batch)
                     batch = _Batch()
+                direct.refusing = batch.error is not None  # the rest of a refused batch is drained
         finally:
+            direct.abort()  # a body cut off (or refused by the session) is never published
             self._undo(store, batch)  # a batch that never got its reply leaves nothing behind
             seg.close()
 
@@ -245,9 +289,14 @@ class DataPlane:
         else:
             seg.close()
 
-    def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None) -> None:
-        """Store one item of ``batch`` unless an earlier one was refused (then it is only drained)."""
+    def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None,
+                  reserved: Reservation | None = None) -> None:
+        """Store one item of ``batch`` unless an earlier one was refused (then it is only
+        drained). ``reserved``: the RAM slot the chunk was received into (``item.chunk`` views
+        it), published only once the chunk is verified."""
         if batch.error is not None:
+            if reserved is not None:
+                store.abort(reserved)
             batch.flags.append(False)
             return
         chunk = item.chunk
@@ -259,13 +308,15 @@ class DataPlane:
         try:
             entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, len(batch.flags))
         except BadRequest as exc:
+            if reserved is not None:
+                store.abort(reserved)
             batch.error = exc
             batch.flags.append(False)
             self.metrics.rejected.labels(exc.code.name).inc()
             return
         # Probed tier by tier, not by store.probe: that one counts as a client lookup.
         new = not any(tier.probe([item.key]).hits for tier in store.tiers)
-        ok = store.put([entry])[0]
+        ok = store.commit(reserved, entry) if reserved is not None else store.put([entry])[0]
         if ok and new:
             batch.new_keys.append(item.key)
         batch.flags.append(ok)

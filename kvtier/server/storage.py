@@ -34,13 +34,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import Tenant
 from kvtier.server.pool import SharedPool
 from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.cpu import CpuTier, Reservation
 from kvtier.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ class TenantStore:
     disabled), never both. The bottom tier bounds the tenant: it is the quota. ``ram_pool``
     and ``disk_pool`` are the shared budgets its tiers belong to (None: the tier is bounded
     only by its own capacity); Storage sets them once every tenant is built."""
+
+    direct_puts: ClassVar[bool] = True  # put() is a RAM put alone: reserve() may bypass it
 
     def __init__(self, tenant: Tenant, ram: CpuTier | None, disk: DiskTier | None,
                  ram_pool: SharedPool | None = None, disk_pool: SharedPool | None = None) -> None:
@@ -237,6 +239,31 @@ class TenantStore:
         self.traffic.put(sum(memoryview(e.data).nbytes for e, ok in zip(entries, stored) if ok),
                          stored.count(False))
         return stored
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """A RAM slot for a chunk of ``nbytes`` the caller writes in place (the data path
+        receives a PUT body straight into it), after making room in the RAM pool as a put
+        does; then :meth:`commit` or :meth:`abort`. None when a put here is more than a RAM
+        put (a disk tier below, a subclass with ``direct_puts`` off) or the chunk does not fit
+        a slot: the caller then uses :meth:`put`."""
+        ram = self.ram
+        if ram is None or self.disk is not None or not self.direct_puts or nbytes > ram.slot_bytes:
+            return None
+        if self.ram_pool is not None:
+            self.ram_pool.make_room(self.tenant.name, nbytes)
+        return ram.reserve(nbytes)
+
+    def commit(self, res: Reservation, entry: Entry) -> bool:
+        """Publish a reserved chunk (already verified by the caller) as ``entry``; counted as
+        a put."""
+        assert self.ram is not None  # reserve() returned a reservation
+        ok = self.ram.commit(res, entry.key, entry.depth, entry.parent)
+        self.traffic.put(res.view.nbytes if ok else 0, 0 if ok else 1)
+        return ok
+
+    def abort(self, res: Reservation) -> None:
+        assert self.ram is not None
+        self.ram.abort(res)
 
     def _cache(self, entries: Sequence[Entry]) -> None:
         """Copy chunks the disk holds into RAM (a cache: a refusal loses nothing)."""
