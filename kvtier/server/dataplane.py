@@ -16,6 +16,9 @@ reason (INVALID_ARGUMENT) and the connection is closed.
 PUT batches are all or nothing, as on the gRPC side: items are checked as they arrive; when
 one is refused the chunks this batch newly stored are removed again and the reply is one
 ERROR, so a refused batch leaves nothing behind (chunks that were there before stay).
+On a RAM-only store a PUT's chunk is received straight into a RAM slot reserved for it
+(:class:`_DirectPut`; published only once verified), so the kernel's copy is the only one.
+GET replies are :mod:`kvtier.server.data_get`'s (RAM hits sent from the arena, no copy).
 
 Shared memory (same host, ``shm_bytes`` > 0): on SHM_OPEN the server makes a sealed memfd
 for this connection and hands its descriptor to the client over a one-shot Unix socket
@@ -40,7 +43,6 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
 
 import grpc
 
@@ -50,7 +52,6 @@ from kvtier.protocol.frames import (
     PUT,
     SHM,
     SHM_OPEN,
-    Buffers,
     FrameHeader,
     FrameReader,
     ProtocolError,
@@ -58,10 +59,7 @@ from kvtier.protocol.frames import (
     ShmOffer,
     ShmRef,
     WireLimits,
-    encode_chunk,
-    encode_chunk_ref,
     encode_error,
-    encode_miss,
     encode_put_reply,
     encode_shm_ready,
     encode_welcome,
@@ -71,17 +69,15 @@ from kvtier.protocol.socket_io import read_frame, send_all
 from kvtier.server import shm as shm_segment
 from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
+from kvtier.server.data_get import GetReplier
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import BadRequest, Limits, make_entry
 from kvtier.server.storage import Storage, TenantStore
-from kvtier.tiers.base import Miss
 from kvtier.tiers.cpu import Reservation
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 600.0
-SEND_BATCH_BYTES = 16 << 20  # RAM hits sent with one sendmsg, at most (see DataPlane.lease_keys)
 ERROR_SEND_S = 1.0  # at most this long to tell a misbehaving peer why it is cut off
-Buffer = bytes | memoryview
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
@@ -141,9 +137,7 @@ class DataPlane:
         self.metrics = metrics
         self.tls = tls
         self.max_connections = max_connections
-        # Keys leased together for one sendmsg: about SEND_BATCH_BYTES of RAM slots, so a
-        # connection never keeps more than that of the arena from reuse.
-        self.lease_keys = max(1, SEND_BATCH_BYTES // max(1, storage.slot_bytes()))
+        self.replier = GetReplier(metrics, storage.slot_bytes())
         self.shm_bytes = shm_bytes if shm_segment.AVAILABLE else 0
         self.admission = Admission(max_connections, max_unauthenticated, handshake_s, max_per_tenant)
         self._listener: socket.socket | None = None
@@ -253,7 +247,7 @@ class DataPlane:
                     self._shm_control(sock, seg, request)
                     continue
                 if isinstance(request, list):
-                    self._get(sock, store, request, scratch, seg.view)
+                    self.replier.send(sock, store, request, scratch, seg.view)
                     continue
                 assert isinstance(request, PutItem)
                 self._put_item(store, request, batch, seg.view, direct.take())
@@ -336,94 +330,6 @@ class DataPlane:
             send_all(sock, encode_error(error.code.value[0], error.message))
         else:
             send_all(sock, encode_put_reply(batch.flags))
-
-    def _get(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
-             shm: memoryview | None) -> None:
-        """Answer one GET: a CHUNK or MISS frame per key, in key order, ``lease_keys`` keys at
-        a time (:meth:`_send_group` says where the bytes come from and go)."""
-        start = time.perf_counter()
-        offset = 0
-        for group in range(0, len(keys), self.lease_keys):
-            offset = self._send_group(conn, store, keys, group, scratch, shm, offset)
-        self.metrics.requests.labels("data.Get", "OK").inc()
-        self.metrics.seconds.labels("data.Get").observe(time.perf_counter() - start)
-
-    def _send_group(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], base: int,
-                    scratch: memoryview, shm: memoryview | None, offset: int) -> int:
-        """Keys ``base`` .. ``base + lease_keys`` of a GET. RAM hits are leased together (one
-        lock hold; the slots are not reused until their bytes are sent, at most the socket's
-        idle timeout) and a run of them goes out in one ``sendmsg`` straight from the arena
-        (no copy); with a shared segment each chunk is copied from the tier into the segment
-        and only a reference is sent (from ``offset``). Anything else is read through this
-        connection's ``scratch`` buffer (no allocation) and sent at once, so the client takes
-        chunk i while chunk i+1 is read. Returns the segment offset after this group."""
-        group = keys[base : base + self.lease_keys]
-        sent = shared = 0
-        parts: Buffers = []
-        with store.leased_ram(group) as views:
-            for j, (key, view) in enumerate(zip(group, views)):
-                i = base + j
-                if shm is not None and offset < shm.nbytes:
-                    if parts:  # frames go out in key order
-                        send_all(conn, parts)
-                        parts = []
-                    n = self._put_in_segment(conn, store, key, view, i, shm, offset)
-                    if n is not None:
-                        offset += (n + 63) & ~63 if n > 0 else 0  # cache-line aligned starts
-                        shared += max(n, 0)
-                        continue
-                if view is not None:  # straight from the arena to the socket, no copy
-                    parts += encode_chunk(i, view)
-                    sent += view.nbytes
-                    continue
-                if parts:
-                    send_all(conn, parts)
-                    parts = []
-                sent += self._send_read(conn, store, key, i, scratch)
-            if parts:
-                send_all(conn, parts)
-        self.metrics.bytes.labels("out", "socket").inc(sent)
-        self.metrics.bytes.labels("out", "shm").inc(shared)
-        return offset
-
-    @staticmethod
-    def _put_in_segment(conn: socket.socket, store: TenantStore, key: bytes, view: memoryview | None, i: int,
-                        shm: memoryview, offset: int) -> int | None:
-        """Chunk ``i`` copied into the segment at ``offset`` and its reference (or its MISS)
-        sent: the chunk's length (-1 for a miss); None when it does not fit what is left."""
-        room = shm[offset:]
-        if view is not None:
-            if view.nbytes > room.nbytes:
-                return None
-            room[: view.nbytes] = view
-            ref: int | Miss = view.nbytes
-        else:
-            try:
-                (ref,) = store.get_into([key], [room])
-            except ValueError:
-                return None  # does not fit what is left of the segment: inline
-        if isinstance(ref, Miss):
-            send_all(conn, encode_miss(i, ref.reason))
-            return -1
-        send_all(conn, encode_chunk_ref(i, offset, ref))
-        return ref
-
-    @staticmethod
-    def _send_read(conn: socket.socket, store: TenantStore, key: bytes, i: int, scratch: memoryview) -> int:
-        """Chunk ``i`` read from below RAM (or a miss) into ``scratch`` and sent; bytes sent."""
-        try:
-            (result,) = store.get_into([key], [scratch])
-        except ValueError:  # larger than the scratch buffer (cannot happen within limits)
-            (value,) = store.get([key])
-            result = value if isinstance(value, Miss) else len(value)
-            body: Buffer = value if not isinstance(value, Miss) else b""
-        else:
-            body = scratch[:result] if not isinstance(result, Miss) else b""
-        if isinstance(result, Miss):
-            send_all(conn, encode_miss(i, result.reason))
-            return 0
-        send_all(conn, encode_chunk(i, body))
-        return result
 
     # --- shutdown -------------------------------------------------------------------------------
     def stop_accepting(self) -> None:
