@@ -241,16 +241,17 @@ class TenantStore:
         return stored
 
     def reserve(self, nbytes: int) -> Reservation | None:
-        """A RAM slot for a chunk of ``nbytes`` the caller writes in place (the data path
-        receives a PUT body straight into it), after making room in the RAM pool as a put
-        does; then :meth:`commit` or :meth:`abort`. None when a put here is more than a RAM
-        put (a disk tier below, a subclass with ``direct_puts`` off) or the chunk does not fit
-        a slot: the caller then uses :meth:`put`."""
+        """A free RAM slot for a chunk of ``nbytes`` the caller writes in place (the data path
+        receives a PUT body straight into it); then :meth:`commit` or :meth:`abort`. Never
+        evicts (the chunk is not verified yet: a refused one must cost nothing). None when a
+        put here is more than a RAM put (a disk tier below, a subclass with ``direct_puts``
+        off), when it would take an eviction (no free slot, or the RAM pool is full) or the
+        chunk does not fit a slot: the caller then verifies first and uses :meth:`put`."""
         ram = self.ram
         if ram is None or self.disk is not None or not self.direct_puts or nbytes > ram.slot_bytes:
             return None
-        if self.ram_pool is not None:
-            self.ram_pool.make_room(self.tenant.name, nbytes)
+        if self.ram_pool is not None and not self.ram_pool.fits(nbytes):
+            return None
         return ram.reserve(nbytes)
 
     def commit(self, res: Reservation, entry: Entry) -> bool:

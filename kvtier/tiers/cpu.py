@@ -321,7 +321,7 @@ class CpuTier(BoundedTier):
 
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
-        res = self._reserve(len(src), evicted)
+        res = self._reserve(len(src), evicted, evict=True)
         if res is None:
             return False
         try:
@@ -333,21 +333,22 @@ class CpuTier(BoundedTier):
 
     def reserve(self, length: int) -> Reservation | None:
         """A free slot for a chunk of ``length`` bytes that the caller writes in place
-        (kvtier-server receives a PUT body straight into it: no copy), evicting by policy if
-        need be; None when the chunk does not fit a slot or every chunk is pinned. The slot
-        is invisible to readers until :meth:`commit`; :meth:`abort` gives it back. Either
-        must follow (a reservation left open keeps its slot out of use)."""
-        evicted: list[tuple[bytes, bytes]] = []
-        res = self._reserve(length, evicted)
-        self._notify(evicted)
-        return res
+        (kvtier-server receives a PUT body straight into it: no copy). Never evicts: the
+        bytes are not verified yet, and a chunk refused later must have cost nothing; None
+        when no slot is free or the chunk does not fit one (the caller then verifies first
+        and puts). The slot is invisible to readers until :meth:`commit`; :meth:`abort` gives
+        it back. Either must follow (a reservation left open keeps its slot out of use)."""
+        return self._reserve(length, [], evict=False)
 
-    def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]]) -> Reservation | None:
+    def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool) -> Reservation | None:
         with self._lock:
             self._check_open()
             if length > self.slot_bytes:
                 return None
-            slot = self._take_slot(evicted, self.evict_listener is not None)
+            if evict:
+                slot = self._take_slot(evicted, self.evict_listener is not None)
+            else:
+                slot = self._warm.pop() if self._warm else self._free.pop() if self._free else None
             if slot is None:
                 return None
             self._writing.add(slot)
