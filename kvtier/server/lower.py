@@ -109,6 +109,8 @@ def intact(key: bytes, value: bytes) -> bool:
 class LoweredStore(TenantStore):
     """A tenant's node tiers (``TenantStore``) over ``lower``, which this store owns."""
 
+    direct_puts = False  # put() also offers each chunk to the lower tier
+
     def __init__(self, *args: Any, lower: RedisTier, queue_bytes: int, drain_s: float,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
