@@ -287,3 +287,30 @@ def test_missing_partial_chunk_at_load_reports_its_blocks(tmp_path: Path) -> Non
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+def test_a_prefetch_serves_a_load_only_with_the_same_partial_chunk() -> None:
+    from kvtier_vllm.lookups import prefetch_signature, signature_covers
+
+    full = prefetch_signature(b"s", 2, 9 * 256, False)
+    part = prefetch_signature(b"s", 2, 2176, True)
+    assert signature_covers(full, b"s", 2, 8 * 256, 0) and signature_covers(full, b"s", 2, 9 * 256, 0)
+    assert not signature_covers(full, b"s", 2, 10 * 256, 0)      # too short
+    assert not signature_covers(full, b"s", 2, 9 * 256, 2176)    # a full chunk where a partial is wanted
+    assert signature_covers(part, b"s", 2, 9 * 256, 2176)
+    assert not signature_covers(part, b"s", 2, 9 * 256, 2304 - 128 + 16)  # another partial length
+    assert not signature_covers(part, b"s", 2, 9 * 256, 0)       # a partial where a full chunk is wanted
+    assert not signature_covers(part, b"t", 2, 9 * 256, 2176) and not signature_covers(part, b"s", 1, 9 * 256, 2176)
+
+
+def test_lookup_with_bad_bounds_is_refused_naming_them(tmp_path: Path) -> None:
+    sched, worker, _ = _halves(tmp_path, 256, 128, 8)
+    try:
+        blob = np.arange(300, dtype="<u4").tobytes()
+        with pytest.raises(ValueError, match="limit 400"):
+            worker.answerer.handle({"op": "lookup", "req": "r", "salt": "", "start": 0, "limit": 400}, blob)
+        with pytest.raises(ValueError, match="unknown op"):
+            worker.answerer.handle({"op": "save"}, blob)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
