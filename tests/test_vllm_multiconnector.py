@@ -33,7 +33,7 @@ pytestmark = [
 TOL = 2e-3
 START_S = 600  # engine start and one generate call, on a host shared with other engines
 PREFIX = random_tokens(1000, 4242)
-PROMPTS = {"a": PREFIX + random_tokens(30, 1), "b": PREFIX + random_tokens(30, 2)}
+PROMPTS = {q: PREFIX + random_tokens(30, i) for i, q in enumerate("abc")}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def _same(out: dict[str, Any], ref: dict[str, Any]) -> None:
 
 def _kvtier_child(root: Path) -> dict[str, Any]:
     return {"kv_connector": "KVTierConnector", "kv_role": "kv_both",  # by name: the plugin
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"chunk_tokens": 256, "cpu": {"capacity_bytes": "128MiB"},
                                           "disk": {"enabled": False},
                                           "vllm": {"socket_dir": str(root / "sock")}}}
@@ -71,14 +72,17 @@ def test_kvtier_in_a_multiconnector_restores_exactly(setup: tuple[Path, str, dic
     root, model, refs = setup
     kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"connectors": [_kvtier_child(root)]}}
-    eng = Replica({"model": model, "prefix_caching": False, "kv_transfer": kv}, root / "multi.log", timeout_s=START_S)
+    eng = Replica({"model": model, "kv_transfer": kv}, root / "multi.log", timeout_s=START_S)
     try:
-        first = gen(eng, PROMPTS["a"])
-        _same(first, refs["a"])
-        second = gen(eng, PROMPTS["b"])  # prefix cache off: kvtier's hit
-        _same(second, refs["b"])
-        hit = second["kvtier"]["hit_tokens"] if second.get("kvtier") else second["num_cached_tokens"]
-        assert hit == 896, second  # 1000 // 128 * 128: three chunks and a partial one
+        _same(gen(eng, PROMPTS["a"]), refs["a"])  # computed; kvtier saves chunks 0-3 (1,024 tokens)
+        # vLLM's own prefix cache gives "b" the 896 shared tokens (7 blocks): kvtier saves that
+        # hit's tail past chunk 3 as a partial chunk [768, 896).
+        _same(gen(eng, PROMPTS["b"]), refs["b"])
+        assert eng.call({"op": "reset_prefix_cache"}, timeout_s=START_S)["ok"]
+        third = gen(eng, PROMPTS["c"])  # vLLM's cache is empty: everything cached is kvtier's
+        _same(third, refs["c"])
+        hit = third["kvtier"]["hit_tokens"] if third.get("kvtier") else third["num_cached_tokens"]
+        assert hit == 896, third  # three full chunks and the partial one: block, not chunk, reach
     finally:
         eng.close()
 
