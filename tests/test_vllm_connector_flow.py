@@ -96,8 +96,9 @@ def test_saved_prefix_is_restored_exactly_into_other_blocks(tmp_path: Path, asyn
         blocks1 = [10, 3, 40, 22, 5, 6]
         meta, _, _ = _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}),
                                caches, write=_fill(blocks1, 100))
-        assert [(s.start_chunk, s.end_chunk) for s in meta.saves] == [(0, 2)]
-        _wait_saved(worker, 2)
+        # Two full chunks, and the block past them as a partial chunk (tests/test_vllm_partial.py).
+        assert [(s.start_chunk, s.end_chunk, s.partial) for s in meta.saves] == [(0, 2, False), (2, 3, True)]
+        _wait_saved(worker, 3)
         time.sleep(0.05)
         _run_step(sched, worker, _output([], {}), caches)  # the next step carries the feedback
         events = sched.take_events()  # BlockStored per chunk, for prefix-aware routers

@@ -42,6 +42,19 @@ _CHECK = textwrap.dedent("""
     out.update(cls=f"{cls.__module__}.{cls.__name__}", same=by_config is cls,
                stats=type(multi.data["KVTierConnector"]).__name__,
                lookups=multi.data["KVTierConnector"].data["lookups"])
+    # kvtier beside vLLM's OffloadingConnector in one MultiConnector: what two steps' serialised
+    # stats become in the API server's stats path (aggregate, then reduce for the log line).
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    off = OffloadingConnector.build_kv_connector_stats()
+    steps = []
+    for n in (3, 4):
+        d = KVTierStats().data
+        d["lookups"] = n
+        steps.append(MultiConnector.build_kv_connector_stats(
+            {"KVTierConnector": d, "OffloadingConnector": off.data}))
+    both = steps[0].aggregate(steps[1])
+    out.update(both_types=sorted(type(v).__name__ for v in both.data.values()),
+               both_lookups=both.reduce()["KVTierConnector"]["lookups"])
     print(json.dumps(out))
 """)
 
@@ -59,3 +72,4 @@ def test_plugin_registers_the_connector_for_name_lookups_and_multiconnector_stat
     assert out["after_plugins"]
     assert out["cls"] == "kvtier_vllm.connector.KVTierConnector" and out["same"]
     assert out["stats"] == "KVTierStats" and out["lookups"] == 3
+    assert out["both_types"] == ["KVTierStats", "OffloadingConnectorStats"] and out["both_lookups"] == 7

@@ -43,13 +43,18 @@ def engine_env() -> dict[str, str]:
 
 class Replica:
     """Parent-side handle. ``options``: model (path), kvtier (extra config dict or None),
-    prefix_caching (bool), max_model_len (int), seed (int), kv_cache_bytes (int: KV cache size)."""
+    prefix_caching (bool), max_model_len (int), seed (int), kv_cache_bytes (int: KV cache size),
+    load_failure_policy (str), kv_transfer (a whole KVTransferConfig dict, instead of kvtier),
+    faulty_tier (FaultyTier keyword arguments: the store is one such tier; faulty_site/)."""
 
     def __init__(self, options: dict[str, Any], log_path: str | os.PathLike[str], timeout_s: float = 240) -> None:
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         env = engine_env()
         if options.get("kv_cache_bytes"):
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
+        if options.get("faulty_tier") is not None:  # kvtier's store: one tests.fakes.FaultyTier
+            env["KVTIER_TEST_FAULTY_TIER"] = json.dumps(options["faulty_tier"])
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "faulty_site"), env["PYTHONPATH"]])
         self.proc = subprocess.Popen(
             [sys.executable, __file__, json.dumps(options)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=str(ROOT))
@@ -126,10 +131,13 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         "disable_log_stats": True}
     if opts.get("kv_cache_bytes"):
         kw["kv_cache_memory_bytes"] = opts["kv_cache_bytes"]  # a small KV cache forces preemption
-    if opts.get("kvtier") is not None:
+    if opts.get("kv_transfer") is not None:  # a whole KVTransferConfig (e.g. a MultiConnector)
+        kw["kv_transfer_config"] = KVTransferConfig(**opts["kv_transfer"])
+    elif opts.get("kvtier") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier_vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config=opts["kvtier"])
+            kv_load_failure_policy=opts.get("load_failure_policy", "recompute"),
+            kv_connector_extra_config=opts["kvtier"])
     return LLM(**kw)
 
 
@@ -156,7 +164,7 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         if m is not None and getattr(m, "first_token_latency", None):
             ttft = m.first_token_latency
         params = getattr(o, "kv_transfer_params", None) or {}
-        result.append({"token_ids": list(c.token_ids), "logprobs": lps,
+        result.append({"token_ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason,
                        "num_cached_tokens": o.num_cached_tokens, "kvtier": params.get("kvtier"),
                        "ttft_s": ttft})
     return {"outputs": result, "wall_s": wall}

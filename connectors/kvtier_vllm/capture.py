@@ -85,6 +85,8 @@ class StepCapture:
 
     def _new_job(self, spec: SaveSpec) -> SaveJob | None:
         """A job with staging slots for the leading chunks the pool can hold (None: none)."""
+        if spec.partial:
+            return self._partial_job(spec)
         n = spec.end_chunk - spec.start_chunk
         pool = self.pool
         slots = pool.take(n)
@@ -101,6 +103,24 @@ class StepCapture:
             raise
         return SaveJob(spec, [pool.tensor(i) for i in slots], len(self.views),
                        lambda: pool.give(slots), index)
+
+    def _partial_job(self, spec: SaveSpec) -> SaveJob | None:
+        """One partial chunk (partial.py) in one slot, viewed as ``(L, P, tokens, H, D)``."""
+        pool = self.pool
+        slots = pool.take(1)
+        if not slots:
+            self.saver.count_dropped()
+            return None
+        shape = list(pool.chunk_shape)
+        shape[2] = len(spec.block_ids) * (self.chunk // self.per)
+        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        staging = pool.raw(slots[0]).view(pool.dtype)[:numel].view(*shape)
+        try:
+            index = self.copier.begin_capture(spec.block_ids, len(spec.block_ids))
+        except (RuntimeError, ValueError):
+            pool.give(slots)
+            raise
+        return SaveJob(spec, [staging], len(self.views), lambda: pool.give(slots), index)
 
     def _capture(self, jobs: Sequence[SaveJob], layer: int) -> None:
         if jobs:

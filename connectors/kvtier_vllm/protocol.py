@@ -17,7 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class LoadSpec:
     """Restore tokens ``[start, end)`` (whole engine blocks) into ``block_ids`` (one per block).
 
-    ``tokens`` covers the full chunks that hold them (``ceil(end / C) * C`` tokens)."""
+    ``tokens`` covers the full chunks that hold them (``ceil(end / C) * C`` tokens), or, with
+    ``partial_end``, ``partial_end`` tokens whose last chunk ``[partial_end // C * C,
+    partial_end)`` is a partial chunk (partial.py) that holds the tail of the range."""
 
     req_id: str
     salt: bytes
@@ -26,12 +28,14 @@ class LoadSpec:
     end: int
     block_ids: list[int]
     is_async: bool
+    partial_end: int = 0
 
 
 @dataclass
 class SaveSpec:
     """Save full chunks ``[start_chunk, end_chunk)``; ``block_ids`` hold their tokens in order
-    and ``tokens`` is the prefix up to ``end_chunk * C``."""
+    and ``tokens`` is the prefix up to ``end_chunk * C``. ``partial``: one partial chunk instead
+    (``end_chunk == start_chunk + 1``, ``tokens`` ends inside it, ``block_ids`` are its blocks)."""
 
     req_id: str
     salt: bytes
@@ -39,6 +43,7 @@ class SaveSpec:
     start_chunk: int
     end_chunk: int
     block_ids: list[int]
+    partial: bool = False
 
 
 @dataclass

@@ -25,6 +25,7 @@ from kvtier.codec import Buf
 from kvtier.prefetch import LoadedRange, load_range
 
 from .blocks import payload_tensor
+from .partial import load_with_partial
 from .staging import Done, StagingPool
 
 
@@ -40,15 +41,25 @@ class RestoreBuffers:
         self.pool = StagingPool(max_bytes, chunk_shape, dtype, alloc, slot_bytes=slot)
         self._on_pageable = on_pageable
 
-    def load(self, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> LoadedRange:
-        """``load_range`` into slots (``buffers``: the slot list), or into pageable bytes."""
+    def load(self, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int,
+             partial_end: int = 0) -> LoadedRange:
+        """``load_range`` into slots (``buffers``: the slot list), or into pageable bytes.
+
+        ``partial_end``: load chunks ``c0 ..`` of ``tokens[:partial_end]`` instead, the last one
+        the partial chunk ending there (partial.py); ``c1`` is then ignored."""
         pool = self.pool
-        slots = pool.take(c1 - c0)
-        if len(slots) < c1 - c0:
+        c = cache.chunk_tokens
+        n = (partial_end // c + 1 - c0) if partial_end else c1 - c0
+        slots = pool.take(n)
+        if len(slots) < n:
             pool.give(slots)
+            if partial_end:
+                return load_with_partial(cache, tokens, c0, partial_end)
             return load_range(cache, tokens, c0, c1)
         outs = [pool.raw(i).numpy().data for i in slots]
         try:
+            if partial_end:
+                return load_with_partial(cache, tokens, c0, partial_end, outs, buffers=slots)
             return load_range(cache, tokens, c0, c1, outs, buffers=slots)
         except BaseException:
             pool.give(slots)  # no copy was started from them
@@ -58,6 +69,8 @@ class RestoreBuffers:
         """Chunk ``j`` of ``res`` as a tensor: a view of its pinned slot where it lies there."""
         data: Buf = res.payloads[j]
         slots = res.buffers if isinstance(res.buffers, list) else None
+        if slots is not None and tuple(shape) != self.pool.chunk_shape:
+            return payload_tensor(data, shape, dtype)  # a partial chunk, still in its slot
         t = self.pool.view_of(slots[j], data) if slots is not None else None
         if t is None:
             self._on_pageable(1)

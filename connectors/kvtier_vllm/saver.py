@@ -102,11 +102,13 @@ class Saver:
             return raw[start // c - spec.start_chunk].data
 
         cache = self._cache_for(spec.salt)
-        n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=True)
+        n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=not spec.partial)
         self._stats.add(save_chunks=n, save_bytes=n * int(raw[0].nbytes) if raw else 0,
                         save_seconds=time.perf_counter() - t0)
         self._cmetrics.save_chunks.inc(n)
-        if self._on_stored is not None:
+        if spec.partial:
+            self._stats.add(partial_save_chunks=n)  # no KV event: events describe full chunks
+        elif self._on_stored is not None:
             keys = cache.keys(tokens, full_chunks_only=True)
             parent = keys[spec.start_chunk - 1] if spec.start_chunk else b""
             self._on_stored(StoredChunks(spec.req_id, spec.start_chunk,

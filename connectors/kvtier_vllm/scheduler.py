@@ -24,6 +24,7 @@ import numpy as np
 from kvtier.config import KVTierConfig
 
 from .ipc import LookupClient, socket_path
+from .partial import partial_save_ends
 from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadOutcome, LoadSpec, SaveSpec
 from .settings import VllmSettings, namespace_salt
 from .stats import KVTierStats, StatsCollector
@@ -51,6 +52,7 @@ class _Match:
     tiers: dict[str, int]
     is_async: bool
     at: float
+    partial_end: int = 0  # the run's last chunk is the partial chunk ending here (partial.py)
 
 
 @dataclass
@@ -67,6 +69,8 @@ class _Req:
     hit_tokens: int = 0
     hit_tiers: dict[str, int] = field(default_factory=dict)
     outcome: LoadOutcome | None = None
+    partial_ends: set[int] = field(default_factory=set)  # partial chunks to save (once computed)
+    partial_saved: set[int] = field(default_factory=set)
 
 
 class SchedulerSide:
@@ -108,7 +112,8 @@ class SchedulerSide:
         bs, c = self.block_size, self.chunk
         # vLLM must compute at least one token itself (it samples from its logits).
         limit = (request.num_tokens - 1) // bs * bs
-        covered = min(request.num_tokens // c * c, -(-limit // c) * c)
+        # Full chunks over the loadable run, and at least the run itself (partial chunks).
+        covered = max(limit, min(request.num_tokens // c * c, -(-limit // c) * c))
         if limit - num_computed_tokens < bs or covered <= num_computed_tokens:
             return 0, False
         now = time.monotonic()
@@ -126,17 +131,18 @@ class SchedulerSide:
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
         blob = tokens_bytes(req.all_token_ids[:covered])
-        usable, tiers = limit, dict[str, int]()
+        replies: list[dict[str, Any]] = []
+        tiers = dict[str, int]()
         t0 = time.perf_counter()
         for client in self._clients:
             reply = client.call(header, blob)
             if reply is None or "error" in reply:
-                usable = 0
+                replies = []
                 break
-            # A prefix counts only if every rank holds its shard of it.
-            usable = min(usable, int(reply.get("tokens", 0)))
+            replies.append(reply)
             for tier, n in (reply.get("tiers") or {}).items():
                 tiers[tier] = max(tiers.get(tier, 0), int(n))
+        usable, partial_end = agree_on_hit(replies, limit, self.chunk)
         usable = usable // self.block_size * self.block_size
         log.debug("kvtier: lookup of %s (%d tokens): %d usable, tiers %s, %.2f ms", req.request_id,
                   covered, usable, tiers, 1e3 * (time.perf_counter() - t0))
@@ -145,7 +151,8 @@ class SchedulerSide:
         self.stats.add(lookups=1)
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)
-        return _Match(start, max(start, usable), tiers, is_async, now)
+        return _Match(start, max(start, usable), tiers, is_async, now,
+                      partial_end if usable == partial_end else 0)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -183,9 +190,13 @@ class SchedulerSide:
                       request.request_id, start, end)
             return
         covered = -(-end // self.chunk) * self.chunk
+        # The run ends in the partial chunk the lookup found: load it, not a full chunk there.
+        partial_end = m.partial_end if end > m.partial_end // self.chunk * self.chunk else 0
+        if partial_end:
+            covered = partial_end
         self._pending.add(request.request_id)
         st.pending = LoadSpec(request.request_id, st.salt, tokens_bytes(request.all_token_ids[:covered]),
-                              start, end, ids, m.is_async)
+                              start, end, ids, m.is_async, partial_end)
         st.hit_tokens += num_external_tokens
         st.load_tiers = dict(m.tiers)
         for tier, n in m.tiers.items():
@@ -216,6 +227,7 @@ class SchedulerSide:
                     spec = self._plan_save(cur, n, block_state)
                     if spec is not None:
                         meta.saves.append(spec)
+                    meta.saves.extend(self._plan_partials(cur, n, block_state))
         meta.dropped, self._dropped = self._dropped, []
         return meta
 
@@ -228,6 +240,10 @@ class SchedulerSide:
                 if not st.seen:
                     st.seen = True
                     st.saved_upto = max(st.saved_upto, new.num_computed_tokens // self.chunk * self.chunk)
+                    if not st.hit_tokens:
+                        # Only vLLM's own prefix cache got here: a prefix other requests share,
+                        # so its block-aligned tail is worth a partial chunk.
+                        st.partial_ends.add(new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -248,12 +264,7 @@ class SchedulerSide:
         start_chunk, end_chunk = st.saved_upto // c, done // c
         if end_chunk <= start_chunk:
             return None
-        ids: list[int] | None = None
-        if block_state is not None:
-            got = block_state.get_block_ids(req.request_id)
-            ids = list(got[0]) if got else None
-        if ids is None:
-            ids = st.block_ids
+        ids = self._block_ids(st, block_state)
         bs = self.block_size
         lo, hi = start_chunk * c // bs, end_chunk * c // bs
         if len(ids) < hi:
@@ -262,6 +273,37 @@ class SchedulerSide:
         st.saved_upto = end_chunk * c
         return SaveSpec(req.request_id, st.salt, tokens_bytes(req.all_token_ids[:end_chunk * c]),
                         start_chunk, end_chunk, ids[lo:hi])
+
+    def _block_ids(self, st: _Req, block_state: Any) -> list[int]:
+        if block_state is not None:
+            got = block_state.get_block_ids(st.request.request_id)
+            if got:
+                return list(got[0])
+        return st.block_ids
+
+    def _plan_partials(self, st: _Req, n_sched: int, block_state: Any) -> list[SaveSpec]:
+        """Partial chunks (partial.py) of ``st`` computed by the end of this step: the prompt's
+        block-aligned end and a local prefix-cache hit's end, each saved once."""
+        if not self.settings.save_partial:
+            return []
+        req, c, bs = st.request, self.chunk, self.block_size
+        done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
+        if done >= req.num_prompt_tokens:
+            st.partial_ends.add(req.num_prompt_tokens // bs * bs)
+        ends = [e for e in partial_save_ends(sorted(st.partial_ends), c, bs, done) if e not in st.partial_saved]
+        if not ends:
+            return []
+        ids = self._block_ids(st, block_state)
+        specs = []
+        for e in ends:
+            k = e // c
+            if len(ids) < e // bs:
+                continue
+            st.partial_saved.add(e)
+            st.partial_ends.discard(e)
+            specs.append(SaveSpec(req.request_id, st.salt, tokens_bytes(req.all_token_ids[:e]), k, k + 1,
+                                  ids[k * c // bs:e // bs], partial=True))
+        return specs
 
     # --- feedback and lifecycle -----------------------------------------------------------------
     def update_connector_output(self, out: KVConnectorOutput) -> None:
@@ -332,3 +374,17 @@ def _stored_events(wm: KVTierWorkerMeta, chunk: int) -> list[Any]:
                 lora_id=None, medium=MEDIUM_CPU if s.tier in FAST_TIERS else MEDIUM_STORAGE,
                 lora_name=None))
     return events
+
+
+def agree_on_hit(replies: list[dict[str, Any]], limit: int, chunk: int) -> tuple[int, int]:
+    """(usable tokens, partial chunk end or 0) every rank's lookup reply agrees on: a prefix
+    counts only if every rank holds its shard of it, and a partial chunk only if every rank
+    found the same one right after the same full chunks. No replies: a miss."""
+    if not replies:
+        return 0, 0
+    full = min(limit, *(int(r.get("full", r.get("tokens", 0))) for r in replies))
+    ends = {int(r.get("partial", 0)) for r in replies}
+    (pe,) = ends if len(ends) == 1 else (0,)
+    if pe and full == pe // chunk * chunk:
+        return min(limit, pe), pe
+    return full, 0

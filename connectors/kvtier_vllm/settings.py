@@ -51,6 +51,10 @@ class VllmSettings:
     # host-to-device copies are asynchronous; a load that finds it short reads into pageable
     # memory instead (counted as load_pageable_chunks). Also bounds what prefetches hold.
     restore_staging_bytes: int = field(default=1 * GiB, metadata=_rng(0, None, size=True))
+    # Block-granular hits (partial.py): save a prefix's block-aligned tail past its last full
+    # chunk as a partial chunk, and probe up to partial_probes of them per lookup (0: off).
+    save_partial: bool = True
+    partial_probes: int = field(default=16, metadata=_rng(0, 1024))
     socket_dir: str = ""
     metrics_port: int = field(default=0, metadata=_rng(0, 65535))  # 0: no HTTP /metrics
 

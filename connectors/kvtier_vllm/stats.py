@@ -23,11 +23,14 @@ _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "lo
              "load_pageable_chunks")
 _SECONDS = ("load_seconds", "save_seconds", "prefetch_wait_seconds")
 _BY = ("hit_tokens_by_tier", "failures_by_reason")
+# Block-granular hits (partial.py): lookup tokens past the full chunks, partial chunks saved.
+_PARTIAL = ("partial_hit_tokens", "partial_save_chunks")
 
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {k: 0 for k in _COUNTERS}
     data.update({k: 0.0 for k in _SECONDS})
+    data.update({k: 0 for k in _PARTIAL})
     data.update({k: {} for k in _BY})
     return data
 
@@ -42,7 +45,7 @@ class KVTierStats(KVConnectorStats):
         self.data = _empty()
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in (*_COUNTERS, *_SECONDS, *_BY))
+        return not any(self.data.get(k) for k in (*_COUNTERS, *_SECONDS, *_BY, *_PARTIAL))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():

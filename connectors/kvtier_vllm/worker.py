@@ -6,7 +6,7 @@ Threads
     loader thread (``LayerPipeline``): sync restores, layer by layer, during the forward.
     async thread: restores of ``load_async`` requests while other requests run.
     prefetch pool: store loads started by lookups. saver thread: encode + store captured chunks.
-    lookup server threads: ``cache.lookup`` for the scheduler.
+    lookup server threads: ``LookupAnswerer.handle`` (lookups.py) for the scheduler.
 Failure
     A load that falls short (miss, corrupt chunk, dead tier) restores the good leading blocks
     and reports the rest through ``get_block_ids_with_load_errors`` (vLLM recomputes them); saves
@@ -41,6 +41,8 @@ from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
 from .ipc import LookupServer, socket_path
+from .lookups import LookupAnswerer, signature_covers
+from .partial import chunk_tokens_at
 from .protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -138,7 +140,9 @@ class WorkerSide:
                            self._on_stored if info.kv_events and info.rank == 0 else None)
         self.use_copier(self.copier)
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
-        self.server = LookupServer(path, self._handle, thread_init=pin)
+        self.answerer = LookupAnswerer(self.cache_for, self.chunk, info.block_size, self.prefetcher,
+                                       lambda: self.restore_bufs, self.settings.partial_probes, self.stats)
+        self.server = LookupServer(path, self.answerer.handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
             from prometheus_client import start_http_server
 
@@ -171,22 +175,6 @@ class WorkerSide:
                 self._caches[salt] = cache
             return cache
 
-    # --- lookups (server threads) -------------------------------------------------------------------
-    def _handle(self, header: dict[str, Any], blob: bytes) -> dict[str, Any]:
-        if header.get("op") != "lookup":
-            raise ValueError(f"unknown op {header.get('op')!r}")
-        tokens = np.frombuffer(blob, dtype="<u4")
-        salt = bytes.fromhex(header["salt"])
-        start, limit = int(header["start"]), int(header["limit"])
-        cache = self.cache_for(salt)
-        hit = cache.lookup(tokens, full_chunks_only=True)
-        usable = min(hit.tokens, limit) // self.info.block_size * self.info.block_size
-        if header.get("prefetch") and usable - start >= self.info.block_size:
-            c0, c1 = start // self.chunk, -(-usable // self.chunk)
-            self.prefetcher.submit(str(header["req"]), (salt, c0, c1),
-                                   lambda: self.restore_bufs.load(cache, tokens[:c1 * self.chunk], c0, c1))
-        return {"tokens": usable, "tiers": hit.per_tier, "reason": hit.reason}
-
     # --- loads ------------------------------------------------------------------------------------------
     def _count_pageable(self, n: int) -> None:
         self.stats.add(load_pageable_chunks=n)
@@ -197,8 +185,8 @@ class WorkerSide:
         c0, c1 = spec.start // self.chunk, -(-spec.end // self.chunk)
         job = self.prefetcher.pop(spec.req_id)
         cache = self.cache_for(spec.salt)
-        if job is not None and not (job.signature[:2] == (spec.salt, c0)
-                                    and int(job.signature[2]) >= c1):  # type: ignore[call-overload]
+        if job is not None and not signature_covers(job.signature, spec.salt, c0, c1 * self.chunk,
+                                                    spec.partial_end):
             self.prefetcher.drop(job)
             job = None
         if job is not None:
@@ -213,6 +201,8 @@ class WorkerSide:
             if res is not None:
                 return res
         tokens = np.frombuffer(spec.tokens, dtype="<u4")
+        if spec.partial_end:
+            return self.restore_bufs.load(cache, tokens[:spec.partial_end], c0, 0, spec.partial_end)
         return self.restore_bufs.load(cache, tokens[:c1 * self.chunk], c0, c1)
 
     def _plan(self, spec: LoadSpec, res: LoadedRange) -> tuple[list[RestoreItem], LoadOutcome]:
@@ -224,7 +214,8 @@ class WorkerSide:
             lo = (res.start_chunk + j) * c
             a, b = max(lo, spec.start), min(lo + c, ok_end)
             if a < b:
-                p = self.restore_bufs.payload(res, j, self.chunk_shape, self.torch_dtype)
+                shape = self.base_spec.layout.chunk_shape(chunk_tokens_at(res.start_chunk + j, c, spec.partial_end))
+                p = self.restore_bufs.payload(res, j, shape, self.torch_dtype)
                 ids = spec.block_ids[(a - spec.start) // bs:(b - spec.start) // bs]
                 items.append(RestoreItem(p, a - lo, b - a, ids))
         outcome = LoadOutcome(spec.start, spec.end, ok_end, dict(res.per_tier),
