@@ -12,6 +12,7 @@
 
 Threads: every public method may be called from any thread. ``close`` flushes the queue.
 Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store.
+Listeners (:meth:`TieredStore.listen`) learn which tier took or lost which chunk (KV events).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvtier.codec import Buf
 from kvtier.config import KVTierConfig, StoreConfig
@@ -81,6 +83,22 @@ class LoadIntoResult:
         return dict(Tally(self.sources))
 
 
+class StoreListener(Protocol):
+    """Chunk residency per tier, for whoever publishes it (KV events for prefix-aware routers).
+
+    ``chunks_stored(tier, entries)``: ``tier`` accepted ``entries`` (a save, the cascade, a
+    promotion). ``chunks_removed(tier, keys)``: ``tier`` evicted ``keys`` (capacity) or a
+    delete removed them (a delete may name keys the tier did not hold). Calls come from the
+    thread that caused them (the caller's, the writer thread, a loader's), an eviction's with
+    the tier's lock held: a listener must be quick (a bounded queue append), thread-safe, must
+    not keep ``entry.data`` (the caller's buffer) and must never call into the store or a tier.
+    """
+
+    def chunks_stored(self, tier: str, entries: Sequence[Entry]) -> None: ...
+
+    def chunks_removed(self, tier: str, keys: Sequence[bytes]) -> None: ...
+
+
 _STOP = object()
 # (entries, first tier level to write them to, their prefix's keys when known: see bind_prefix)
 _Job = tuple[list[Entry], int, Sequence[bytes] | None]
@@ -102,6 +120,8 @@ class TieredStore:
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
         self._closed = False
+        self._listeners: tuple[StoreListener, ...] = ()
+        self.listener_errors = 0
         for level, tier in enumerate(self.tiers):
             tier.evict_listener = self._make_evict_listener(level)
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-writer", daemon=True)
@@ -220,8 +240,9 @@ class TieredStore:
                 if not served:
                     continue
                 for upper in self.tiers[:level]:
-                    bind_prefix(upper, prefix).put(served)
+                    ok = bind_prefix(upper, prefix).put(served)
                     self.metrics.promotions.labels(upper.name).inc(len(served))
+                    self._tell_stored(upper.name, served, ok)
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
             with self._hits_lock:
@@ -250,6 +271,7 @@ class TieredStore:
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
+        self._tell_stored(top.name, entries, ok)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
             self._enqueue(list(entries), 1, prefix)
@@ -284,6 +306,7 @@ class TieredStore:
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
                 self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
+            self._tell_stored(tier.name, entries, ok)
             if not cascade:
                 return
 
@@ -292,6 +315,7 @@ class TieredStore:
 
         def on_evict(key: bytes, data: bytes) -> None:
             self.metrics.evictions.labels(name, "capacity").inc()
+            self._tell_removed(name, (key,))
             if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
                 # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
                 self._enqueue([Entry(key, data)], level + 1, None)
@@ -300,7 +324,41 @@ class TieredStore:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys`` from every tier (e.g. a chunk that failed verification)."""
-        return sum(tier.delete(keys) for tier in self.tiers)
+        total = 0
+        for tier in self.tiers:
+            n = tier.delete(keys)
+            if n:
+                self._tell_removed(tier.name, keys)
+            total += n
+        return total
+
+    # --- listeners -------------------------------------------------------------------------
+    def listen(self, listener: StoreListener) -> None:
+        """Tell ``listener`` from now on which tier took or lost which chunk (any thread)."""
+        with self._hits_lock:
+            self._listeners = (*self._listeners, listener)
+
+    def _tell_stored(self, tier: str, entries: Sequence[Entry], ok: Sequence[bool]) -> None:
+        listeners = self._listeners
+        if not listeners:
+            return
+        took = [e for e, k in zip(entries, ok) if k]
+        if took:
+            for listener in listeners:
+                self._guard(listener.chunks_stored, tier, took)
+
+    def _tell_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        for listener in self._listeners:
+            self._guard(listener.chunks_removed, tier, keys)
+
+    def _guard(self, call: Callable[[str, Any], None], tier: str, arg: Any) -> None:
+        # A listener is foreign code running inside a tier's put or eviction: whatever it
+        # does wrong must not fail that put (the contract: a store never raises for this).
+        try:
+            call(tier, arg)
+        except Exception:  # noqa: BLE001 - logged and counted, never swallowed silently
+            self.listener_errors += 1
+            log.exception("kvtier: a store listener failed on tier %s", tier)
 
     # --- lifecycle -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
