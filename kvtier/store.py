@@ -86,9 +86,12 @@ class LoadIntoResult:
 class StoreListener(Protocol):
     """Chunk residency per tier, for whoever publishes it (KV events for prefix-aware routers).
 
-    ``chunks_stored(tier, entries)``: ``tier`` accepted ``entries`` (a save, the cascade, a
-    promotion). ``chunks_removed(tier, keys)``: ``tier`` evicted ``keys`` (capacity) or a
-    delete removed them (a delete may name keys the tier did not hold). Calls come from the
+    ``chunks_stored(tier, entries)``: ``tier`` is about to take ``entries`` (a save, the
+    cascade, a promotion). ``chunks_removed(tier, keys)``: ``tier`` refused those ``keys``,
+    evicted them (capacity) or a delete removed them (a delete may name keys the tier did not
+    hold). Announcing a put before it runs keeps the order true when the put evicts a chunk
+    of its own batch; the price: re-putting a chunk the same put evicts (a full tier whose
+    victim is that very key) ends on "removed" although the chunk is held. Calls come from the
     thread that caused them (the caller's, the writer thread, a loader's), an eviction's with
     the tier's lock held: a listener must be quick (a bounded queue append), thread-safe, must
     not keep ``entry.data`` (the caller's buffer) and must never call into the store or a tier.
@@ -240,9 +243,10 @@ class TieredStore:
                 if not served:
                     continue
                 for upper in self.tiers[:level]:
+                    self._tell_stored(upper.name, served)
                     ok = bind_prefix(upper, prefix).put(served)
                     self.metrics.promotions.labels(upper.name).inc(len(served))
-                    self._tell_stored(upper.name, served, ok)
+                    self._tell_refused(upper.name, served, ok)
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
             with self._hits_lock:
@@ -266,12 +270,13 @@ class TieredStore:
             return 0
         t0 = time.perf_counter()
         top = self.tiers[0]
+        self._tell_stored(top.name, entries)
         ok = bind_prefix(top, prefix).put(entries)
         accepted = sum(ok)
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
-        self._tell_stored(top.name, entries, ok)
+        self._tell_refused(top.name, entries, ok)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
             self._enqueue(list(entries), 1, prefix)
@@ -301,12 +306,13 @@ class TieredStore:
     def _write_down(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         cascade = self.config.write_policy == "write_through"
         for tier in self.tiers[level:]:
+            self._tell_stored(tier.name, entries)
             ok = bind_prefix(tier, prefix).put(entries)
             written = sum(len(e.data) for e, k in zip(entries, ok) if k)
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
                 self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
-            self._tell_stored(tier.name, entries, ok)
+            self._tell_refused(tier.name, entries, ok)
             if not cascade:
                 return
 
@@ -338,14 +344,16 @@ class TieredStore:
         with self._hits_lock:
             self._listeners = (*self._listeners, listener)
 
-    def _tell_stored(self, tier: str, entries: Sequence[Entry], ok: Sequence[bool]) -> None:
-        listeners = self._listeners
-        if not listeners:
-            return
-        took = [e for e, k in zip(entries, ok) if k]
-        if took:
-            for listener in listeners:
-                self._guard(listener.chunks_stored, tier, took)
+    # A put is announced before it runs and its refusals after it: an eviction the put itself
+    # causes (possibly of a chunk of the same batch) then reaches listeners after the
+    # announcement of what it evicts, so the last word on every key is the true one.
+    def _tell_stored(self, tier: str, entries: Sequence[Entry]) -> None:
+        for listener in self._listeners:
+            self._guard(listener.chunks_stored, tier, entries)
+
+    def _tell_refused(self, tier: str, entries: Sequence[Entry], ok: Sequence[bool]) -> None:
+        if self._listeners and not all(ok):
+            self._tell_removed(tier, [e.key for e, k in zip(entries, ok) if not k])
 
     def _tell_removed(self, tier: str, keys: Sequence[bytes]) -> None:
         for listener in self._listeners:
