@@ -5,7 +5,6 @@ sequence, msgpack payload). A removal follows an eviction (a 1 MiB tier), and a 
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
+from tests.kv_event_subscriber import Subscriber
 from tests.kvtier_servers import ROOT, make_chunk, make_keys, start_server
 
 pytestmark = pytest.mark.skipif(
@@ -26,46 +26,6 @@ pytestmark = pytest.mark.skipif(
 
 CHUNK = 200_000      # payload bytes: 5 chunks fit a 1 MiB tier, the 6th evicts
 NS = bytes(range(32))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Subscriber:
-    """A SUB socket bound on loopback (the server connects to it), decoding with vLLM."""
-
-    def __init__(self) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.port = free_port()
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"kv")
-        self.sock.bind(f"tcp://127.0.0.1:{self.port}")
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self.seqs: list[int] = []
-
-    def events(self, timeout: float) -> list[Any]:
-        """Every event received within ``timeout`` seconds (decoded by vLLM's classes)."""
-        import zmq
-
-        out: list[Any] = []
-        end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            if not self.sock.poll(int(left * 1000), zmq.POLLIN):
-                break
-            topic, seq, payload = self.sock.recv_multipart()
-            assert topic == b"kv" and len(seq) == 8
-            self.seqs.append(int.from_bytes(seq, "big"))
-            out.extend(self.decoder.decode(payload).events)
-        return out
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 @pytest.fixture()

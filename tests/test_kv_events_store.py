@@ -1,0 +1,103 @@
+"""The store's residency listener (kvtier.store.StoreListener) and the connector's worker-side
+event buffer: per tier puts, the cascade, promotions, evictions, deletes, refusals; the order
+a router needs (a put's own evictions come after it); a failing listener never fails a put;
+the bounded buffer drops and counts. Real tiers (memory, cpu), no engine."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import CpuTierConfig, StoreConfig
+from kvtier.store import TieredStore
+from kvtier.tiers.base import Entry
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.memory import MemoryTier
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
+
+
+class Log:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, list[bytes]]] = []
+
+    def chunks_stored(self, tier: str, entries: Sequence[Entry]) -> None:
+        self.seen.append(("stored", tier, [e.key for e in entries]))
+
+    def chunks_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        self.seen.append(("removed", tier, list(keys)))
+
+    def held(self) -> set[tuple[str, bytes]]:
+        """A router's view after replaying every event in order."""
+        out: set[tuple[str, bytes]] = set()
+        for kind, tier, keys in self.seen:
+            for k in keys:
+                (out.add if kind == "stored" else out.discard)((tier, k))
+        return out
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_listener_sees_every_tier_and_its_view_matches_the_tiers() -> None:
+    top = CpuTier(CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=256 << 10, pin_memory="never"), name="cpu")
+    low = MemoryTier(name="disk")
+    log = Log()
+    with TieredStore([top, low], StoreConfig()) as store:
+        store.listen(log)
+        data = bytes(200 << 10)
+        for i in range(6):  # 4 slots: the 5th and 6th puts evict from cpu
+            store.store([Entry(_key(i), data, i)])
+        store.flush()
+        assert store.load([_key(0), _key(1)]).chunks  # from disk, promoted into cpu
+        store.delete([_key(5)])
+        store.flush()
+        truth = {(t.name, _key(i)) for t in (top, low) for i in range(6) if t.contains([_key(i)])}
+        assert log.held() == truth
+        kinds = {(kind, tier) for kind, tier, _ in log.seen}
+        assert {("stored", "cpu"), ("stored", "disk"), ("removed", "cpu"), ("removed", "disk")} <= kinds
+
+
+def test_a_put_that_evicts_its_own_batch_is_reported_in_a_true_order() -> None:
+    top = CpuTier(CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=512 << 10, pin_memory="never"), name="cpu")
+    log = Log()
+    with TieredStore([top], StoreConfig()) as store:
+        store.listen(log)
+        store.store([Entry(_key(i), bytes(300 << 10), i) for i in range(3)])  # 2 slots for 3
+        truth = {("cpu", _key(i)) for i in range(3) if top.contains([_key(i)])}
+        assert len(truth) == 2 and log.held() == truth
+
+
+def test_a_failing_listener_never_fails_a_put() -> None:
+    class Broken:
+        def chunks_stored(self, tier: str, entries: Sequence[Entry]) -> None:
+            raise RuntimeError("listener bug")
+
+        def chunks_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+            raise RuntimeError("listener bug")
+
+    with TieredStore([MemoryTier(capacity_bytes=1000, name="m")]) as store:
+        store.listen(Broken())
+        assert store.store([Entry(_key(i), bytes(400), i) for i in range(4)]) == 4  # evictions too
+        assert store.listener_errors >= 2
+
+
+def test_worker_buffer_coalesces_runs_bounds_and_counts_drops() -> None:
+    pytest.importorskip("vllm")
+    from kvtier_vllm.events import WorkerEvents
+
+    drops: list[int] = []
+    buf = WorkerEvents(max_keys=5, on_drop=drops.append)
+    for i in range(3):
+        buf.chunks_removed("cpu", [_key(i)])  # evictions arrive one by one
+    buf.bind("r1", 0, [_key(7)], b"")
+    buf.chunks_stored("disk", [Entry(_key(8), b"x"), Entry(_key(9), b"y")])  # 6 > 5: dropped
+    batch = buf.drain()
+    assert batch is not None and drops == [2] and batch.dropped == 2
+    assert [(e.stored, e.tier, e.keys) for e in batch.events] == [(False, "cpu", [_key(0), _key(1), _key(2)])]
+    assert [(b.req_id, b.keys) for b in batch.bindings] == [("r1", [_key(7)])]
+    assert buf.drain() is None
