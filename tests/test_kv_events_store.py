@@ -6,6 +6,7 @@ the bounded buffer drops and counts. Real tiers (memory, cpu), no engine."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,3 +102,58 @@ def test_worker_buffer_coalesces_runs_bounds_and_counts_drops() -> None:
     assert [(e.stored, e.tier, e.keys) for e in batch.events] == [(False, "cpu", [_key(0), _key(1), _key(2)])]
     assert [(b.req_id, b.keys) for b in batch.bindings] == [("r1", [_key(7)])]
     assert buf.drain() is None
+
+
+def test_connector_halves_describe_chunks_by_vllm_hashes_and_report_evictions(tmp_path: Path) -> None:
+    """Scheduler and worker halves wired as in test_vllm_connector_flow, a cpu tier of two
+    slots: the second request's chunks evict the first's, and the BlockRemoved names exactly
+    the vLLM block hashes its BlockStored announced."""
+    pytest.importorskip("vllm")
+    from kvtier_vllm.scheduler import SchedulerSide
+    from kvtier_vllm.settings import load_settings
+    from kvtier_vllm.worker import EngineInfo, WorkerSide
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from tests.test_vllm_connector_flow import B, C, D, H, L, N, _fill, _output, _req, _run_step
+
+    cfg, settings = load_settings({"chunk_tokens": C, "cpu": {"capacity_bytes": "1MiB", "slot_bytes": "512KiB"},
+                                   "vllm": {"socket_dir": str(tmp_path / "s")}})
+    info = EngineInfo(model_id="events-test", model_revision="", block_size=N, cache_dtype="auto", rank=0,
+                      world_size=1, dp_rank=0, engine_id=f"ev-{tmp_path.name}", backend="CPU_ATTN",
+                      isa="vec", kv_events=True)
+    import torch
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(B, H, N, 2 * D) for i in range(L)}
+    worker = WorkerSide(cfg, settings, info)
+    worker.register(caches)
+    sched = SchedulerSide(cfg, settings, block_size=N, engine_id=info.engine_id, dp_rank=0, world_size=1,
+                          kv_events=True)
+    events: list[object] = []
+    try:
+        for rid, first, blocks in (("r1", 7, [10, 3, 40, 22, 5]), ("r2", 300, [11, 12, 13, 14, 15])):
+            tokens = list(range(first, first + 4 * N + 3))  # 2 chunks + a tail
+            r = _req(rid, tokens)
+            r.block_hashes = [f"{rid}-block{i}".encode() for i in range(len(tokens) // N)]
+            sched.get_num_new_matched_tokens(r, 0)
+            sched.update_state_after_alloc(r, type("Blocks", (), {"get_block_ids": lambda self: ([],)})(), 0)
+            _run_step(sched, worker, _output([(r, blocks, 0)], {rid: len(tokens)}), caches, write=_fill(blocks, first))
+            end = time.monotonic() + 10  # the saver stores in the background; steps carry its events
+            while sum(isinstance(e, BlockStored) for e in events) < (2 if rid == "r1" else 4):
+                assert time.monotonic() < end, events
+                time.sleep(0.02)
+                _run_step(sched, worker, _output([], {}), caches)
+                events += sched.take_events()
+        time.sleep(0.1)
+        _run_step(sched, worker, _output([], {}), caches)
+        events += sched.take_events()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+    stored = [e for e in events if isinstance(e, BlockStored) and e.ownership == "kvtier:cpu"]
+    assert [e.block_hashes for e in stored] == [[b"r1-block0", b"r1-block1"], [b"r1-block2", b"r1-block3"],
+                                                [b"r2-block0", b"r2-block1"], [b"r2-block2", b"r2-block3"]]
+    assert [e.parent_block_hash for e in stored] == [None, b"r1-block1", None, b"r2-block1"]
+    assert stored[0].token_ids == list(range(7, 7 + C)) and {e.block_size for e in stored} == {N}
+    assert {(e.medium, e.locality) for e in stored} == {("CPU", "LOCAL")}
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == [b"r1-block0", b"r1-block1", b"r1-block2", b"r1-block3"]
