@@ -113,13 +113,14 @@ def test_connector_halves_describe_chunks_by_vllm_hashes_and_report_evictions(tm
     from kvtier_vllm.settings import load_settings
     from kvtier_vllm.worker import EngineInfo, WorkerSide
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from tests.test_vllm_connector_flow import B, C, D, H, L, N, _fill, _output, _req, _run_step
 
     cfg, settings = load_settings({"chunk_tokens": C, "cpu": {"capacity_bytes": "1MiB", "slot_bytes": "512KiB"},
                                    "vllm": {"socket_dir": str(tmp_path / "s")}})
     info = EngineInfo(model_id="events-test", model_revision="", block_size=N, cache_dtype="auto", rank=0,
-                      world_size=1, dp_rank=0, engine_id=f"ev-{tmp_path.name}", backend="CPU_ATTN",
+                      world_size=1, dp_rank=0, engine_id=f"ev-{time.monotonic_ns()}", backend="CPU_ATTN",
                       isa="vec", kv_events=True)
     import torch
 
@@ -149,11 +150,14 @@ def test_connector_halves_describe_chunks_by_vllm_hashes_and_report_evictions(tm
     finally:
         worker.shutdown()
         sched.shutdown()
+    def h(rid: str, i: int) -> object:  # as vLLM publishes its own (ints by default in 0.32)
+        return maybe_convert_block_hash(f"{rid}-block{i}".encode())  # type: ignore[arg-type]
+
     stored = [e for e in events if isinstance(e, BlockStored) and e.ownership == "kvtier:cpu"]
-    assert [e.block_hashes for e in stored] == [[b"r1-block0", b"r1-block1"], [b"r1-block2", b"r1-block3"],
-                                                [b"r2-block0", b"r2-block1"], [b"r2-block2", b"r2-block3"]]
-    assert [e.parent_block_hash for e in stored] == [None, b"r1-block1", None, b"r2-block1"]
+    assert [e.block_hashes for e in stored] == [[h("r1", 0), h("r1", 1)], [h("r1", 2), h("r1", 3)],
+                                                [h("r2", 0), h("r2", 1)], [h("r2", 2), h("r2", 3)]]
+    assert [e.parent_block_hash for e in stored] == [None, h("r1", 1), None, h("r2", 1)]
     assert stored[0].token_ids == list(range(7, 7 + C)) and {e.block_size for e in stored} == {N}
     assert {(e.medium, e.locality) for e in stored} == {("CPU", "LOCAL")}
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    assert sorted(removed) == [b"r1-block0", b"r1-block1", b"r1-block2", b"r1-block3"]
+    assert sorted(removed) == sorted(h("r1", i) for i in range(4))

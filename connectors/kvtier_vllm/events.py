@@ -213,6 +213,9 @@ class EventTracker:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+        def conv(h: Any) -> Any:  # ints when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (0.32's default)
+            return maybe_convert_block_hash(h)
+
         medium, locality, owner = medium_of(ev.tier)
         out: list[Any] = []
         if not ev.stored:
@@ -220,12 +223,12 @@ class EventTracker:
             for key in ev.keys:
                 info = self._by_key.get(key)
                 if info is None:
-                    hashes.append(key)
+                    hashes.append(conv(key))
                     continue
                 if info.hashes is not None:
-                    hashes.extend(maybe_convert_block_hash(h) for h in info.hashes)
+                    hashes.extend(conv(h) for h in info.hashes)
                 else:
-                    hashes.append(key)
+                    hashes.append(conv(key))
                 info.tiers.discard(ev.tier)
                 if not info.tiers:
                     del self._by_key[key]
@@ -234,18 +237,18 @@ class EventTracker:
         for key in ev.keys if ev.stored else ():
             info = self._by_key.get(key)
             if info is None:  # vLLM's placeholder shape: nothing but the key
-                out.append(_make(BlockStored, block_hashes=[key], parent_block_hash=None, token_ids=[],
+                out.append(_make(BlockStored, block_hashes=[conv(key)], parent_block_hash=None, token_ids=[],
                                  block_size=0, lora_id=None, medium=medium, lora_name=None,
                                  locality=locality, ownership=owner))
                 continue
             self._by_key.move_to_end(key)
             info.tiers.add(ev.tier)
             toks = np.frombuffer(info.tokens, dtype="<u4").tolist()
+            parent = conv(info.parent) if info.parent is not None else None
             if info.hashes is not None:
-                hashes, size = [maybe_convert_block_hash(h) for h in info.hashes], self.hash_block
-                parent = maybe_convert_block_hash(info.parent) if info.parent is not None else None
+                hashes, size = [conv(h) for h in info.hashes], self.hash_block
             else:
-                hashes, size, parent = [key], self.chunk, info.parent
+                hashes, size = [conv(key)], self.chunk
             out.append(_make(BlockStored, block_hashes=hashes, parent_block_hash=parent, token_ids=toks,
                              block_size=size, lora_id=None, medium=medium, lora_name=None,
                              locality=locality, ownership=owner))
