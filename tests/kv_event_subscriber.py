@@ -14,18 +14,23 @@ def free_port() -> int:
 
 
 class Subscriber:
-    """A SUB socket bound on loopback (the server connects to it), decoding with vLLM."""
+    """A SUB socket decoding with vLLM: bound on a free loopback port (the publisher connects
+    to ``port``), or connected to ``connect`` (a publisher's bound endpoint)."""
 
-    def __init__(self, topic: bytes = b"kv") -> None:
+    def __init__(self, topic: bytes = b"kv", connect: str | None = None) -> None:
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
-        self.port = free_port()
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, topic)
         self.topic = topic
-        self.sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self.port = 0
+        if connect is not None:
+            self.sock.connect(connect)
+        else:
+            self.port = free_port()
+            self.sock.bind(f"tcp://127.0.0.1:{self.port}")
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.seqs: list[int] = []
 

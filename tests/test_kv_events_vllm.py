@@ -12,7 +12,11 @@ hashes follows while disk still holds them.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,25 +39,36 @@ CHUNK_BYTES = 2 * 2 * CHUNK * VLLM_TEST_SPEC.num_kv_heads * 64 * 4 + 128  # laye
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica, Subscriber]]:
     root = tmp_path_factory.mktemp("kvev")
     model = str(build_model(root / "model", VLLM_TEST_SPEC))
-    sub = Subscriber(topic=b"")
+    # The engine binds an ipc endpoint (vLLM binds ipc://, connects to tcp://host:port); a
+    # short directory: AF_UNIX paths are limited to ~107 bytes.
+    sockdir = Path(tempfile.mkdtemp(prefix="kvev", dir="/tmp"))
+    endpoint = f"ipc://{sockdir}/events"
+    sub = Subscriber(topic=b"", connect=endpoint)
     slot = -(-CHUNK_BYTES // 4096) * 4096
     kvtier = {"chunk_tokens": CHUNK,
               "cpu": {"capacity_bytes": 3 * slot + slot // 2, "slot_bytes": slot},  # 3 chunks
               "disk": {"enabled": True, "path": str(root / "disk"), "capacity_bytes": "256MiB"}}
-    rep = Replica({"model": model, "kvtier": kvtier, "kv_events_endpoint": f"tcp://127.0.0.1:{sub.port}"},
-                  root / "engine.log")
     try:
-        yield rep, sub
+        rep = Replica({"model": model, "kvtier": kvtier, "kv_events_endpoint": endpoint}, root / "engine.log")
+        try:
+            yield rep, sub
+        finally:
+            rep.close()
     finally:
-        rep.close()
         sub.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
-def _events(rep: Replica, sub: Subscriber, prompt: list[int]) -> list[Any]:
+def _events(rep: Replica, sub: Subscriber, prompt: list[int], done: Callable[[list[Any]], bool]) -> list[Any]:
+    """Run ``prompt``, then short requests until ``done(events so far)`` (60 s at most):
+    kvtier's events ride on engine steps, and its saver and cascade work in the background."""
     rep.generate([{"tokens": prompt}], max_tokens=4)
-    # kvtier's events ride on engine steps: a short request carries out what the saver did.
-    rep.generate([{"tokens": random_tokens(8, len(prompt))}], max_tokens=2)
-    return sub.events(3.0)
+    got = sub.events(1.0)
+    end = time.monotonic() + 60
+    while not done(got) and time.monotonic() < end:
+        rep.generate([{"tokens": random_tokens(8, len(got))}], max_tokens=2)
+        got += sub.events(1.0)
+    return got
 
 
 def _kvtier(events: list[Any], cls: type, medium: str) -> list[Any]:
@@ -69,7 +84,8 @@ def test_engine_publishes_kvtier_blocks_per_tier_and_removal_after_eviction(
     a = random_tokens(P, 1) + random_tokens(40, 2)
     b = random_tokens(P, 3) + random_tokens(40, 4)
 
-    first = _events(rep, sub, a)
+    first = _events(rep, sub, a, lambda ev: len(_kvtier(ev, BlockStored, "CPU")) >= 3
+                    and len(_kvtier(ev, BlockStored, "STORAGE")) >= 3)
     gpu = {h: e for e in first if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
     cpu = _kvtier(first, BlockStored, "CPU")
     assert [len(e.block_hashes) for e in cpu] == [CHUNK // BLOCK] * 3, first
@@ -85,7 +101,8 @@ def test_engine_publishes_kvtier_blocks_per_tier_and_removal_after_eviction(
     assert not _kvtier(first, BlockRemoved, "CPU")
 
     # b's 3 chunks need the 3 slots a's hold: the RAM tier evicts a's, disk keeps them.
-    second = _events(rep, sub, b)
+    second = _events(rep, sub, b, lambda ev: len(_kvtier(ev, BlockStored, "CPU")) >= 3
+                     and sum(len(e.block_hashes) for e in _kvtier(ev, BlockRemoved, "CPU")) >= 6)
     assert len(_kvtier(second, BlockStored, "CPU")) == 3
     removed = [h for e in _kvtier(second, BlockRemoved, "CPU") for h in e.block_hashes]
     assert sorted(removed) == sorted(a_hashes), second

@@ -95,6 +95,9 @@ class KVTierServer:
             store_factory=store_factory(cfg)))
         self.metrics = ServerMetrics(self.storage)
         self.metrics.registry.register(LowerCollector(self.storage))
+        limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
+                        cfg.max_message_bytes)
+        tls_ctx = server_ssl_context(cfg)
         if cfg.events_endpoint:
             from kvtier.server.events import EventsCollector, EventSink, attach
 
@@ -102,9 +105,6 @@ class KVTierServer:
                                     max_queue=cfg.events_max_queue)
             attach(list(self.storage.stores.values()), self.events)
             self.metrics.registry.register(EventsCollector(self.events))
-        limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
-                        cfg.max_message_bytes)
-        tls_ctx = server_ssl_context(cfg)
         endpoints: list[Endpoint] = []
         if cfg.data_port >= 0:
             from kvtier.server.dataplane import DataPlane
