@@ -149,6 +149,17 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class UsageConfig:
+    """Engine usage reports (kvtier.usage): every ``interval_s`` a connector sends its
+    cumulative counters to each node in ``grpc.nodes`` under ``replica_id`` (empty: host-pid,
+    or the engine's own id where it has one). Off when ``enabled`` is false or no grpc tier."""
+
+    enabled: bool = True
+    interval_s: float = field(default=5.0, metadata=value_range(0.05, 3600))
+    replica_id: str = ""
+
+
+@dataclass(frozen=True)
 class KVTierConfig:
     chunk_tokens: int = field(default=256, metadata=value_range(1, 1 << 20))
     hash: str = field(default="sha256", metadata=one_of("sha256", "xxh3_128", "blake3"))
@@ -157,11 +168,14 @@ class KVTierConfig:
     tenant: str = ""
     salt_hex: str = ""
     log_level: str = field(default="WARNING", metadata=one_of("DEBUG", "INFO", "WARNING", "ERROR"))
+    # Distinct tenant names the metrics keep before the rest read "other" (docs/metrics.md).
+    metrics_label_values: int = field(default=64, metadata=value_range(0, 100_000))
     cpu: CpuTierConfig = CpuTierConfig()
     disk: DiskTierConfig = DiskTierConfig()
     redis: RedisTierConfig = RedisTierConfig()
     grpc: GrpcTierConfig = GrpcTierConfig()
     store: StoreConfig = StoreConfig()
+    usage: UsageConfig = UsageConfig()
 
     def __post_init__(self) -> None:
         try:

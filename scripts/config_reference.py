@@ -19,6 +19,7 @@ HELP = {
     "tenant": "tenant label on metrics",
     "salt_hex": "namespace salt (hex); per-tenant isolation, see kvtier.keys.tenant_salt",
     "log_level": "log level of kvtier's loggers in connectors and the CLI",
+    "metrics_label_values": "distinct tenants named on metrics before the rest read `other` (docs/metrics.md)",
     "cpu.enabled": "host-RAM arena tier",
     "cpu.capacity_bytes": "arena size",
     "cpu.slot_bytes": "fixed slot size: the largest chunk the arena holds",
@@ -70,6 +71,9 @@ HELP = {
     "store.selective_min_hits": "hits before write_through_selective writes a chunk down",
     "store.queue_depth": "write-behind batches queued before writes are dropped",
     "store.promote_on_load": "copy chunks served by a lower tier into the tiers above",
+    "usage.enabled": "connectors send usage reports to the grpc nodes (the /dashboard's engine figures)",
+    "usage.interval_s": "seconds between two usage reports (cumulative counters)",
+    "usage.replica_id": "this engine replica's name in reports (empty: host-pid, or the engine's id)",
 }
 
 

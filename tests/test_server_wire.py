@@ -147,6 +147,35 @@ def test_body_target_receives_the_body() -> None:
     assert bytes(target[:3]) == b"abc" and frames[0].body.obj is target.obj
 
 
+def test_split_body_target_puts_keys_and_chunk_apart() -> None:
+    """The server's zero-copy PUT: the keys land in one buffer, the chunk in another (a RAM
+    slot), whatever the read boundaries; parse_put reads them from there. A split whose parts
+    do not add up to the body is the caller's bug (ValueError)."""
+    keys, slot = memoryview(bytearray(64)), memoryview(bytearray(5000))
+    key, parent = b"k" * 32, b"p" * 32
+
+    def where(header: FrameHeader) -> tuple[memoryview, memoryview] | None:
+        return (keys, slot[: header.length - 64]) if header.type == PUT else None
+
+    data = join(encode_put(key, b"c" * 3000, 7, parent, more=True) + encode_miss(1, "absent"))
+    for step in (1, 7, 16, 100, len(data)):
+        reader = FrameReader(LIMITS, where)
+        slot[:] = b"\0" * 5000
+        frames = pump(data, reader, step)
+        assert [f.type for f in frames] == [PUT, 6]
+        assert frames[0].tail is not None and frames[0].tail.obj is slot.obj
+        assert bytes(slot[:3000]) == b"c" * 3000 and bytes(slot[3000:3001]) == b"\0"
+        item = parse_put(frames[0])
+        assert (item.key, item.parent, item.depth, item.more) == (key, parent, 7, True)
+        assert isinstance(item.chunk, memoryview) and item.chunk.obj is slot.obj
+    short = FrameReader(LIMITS, lambda h: (keys, slot[:10]) if h.type == PUT else None)
+    with pytest.raises(ValueError, match="split body target"):
+        short.feed(data)
+    bad = Frame(FrameHeader(PUT, 0, 0, 3064), memoryview(bytes(64)), memoryview(bytes(3000)))
+    with pytest.raises(ProtocolError, match="split after 64 bytes"):
+        parse_put(bad)  # no PARENT flag: its keys take 32 bytes
+
+
 def test_buffer_never_spans_two_frames() -> None:
     reader = FrameReader(LIMITS)
     assert len(reader.buffer()) == 16

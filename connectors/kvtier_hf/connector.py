@@ -35,6 +35,7 @@ from kvtier.chunk import HEADER_SIZE, dtype_itemsize
 from kvtier.config import KVTierConfig
 from kvtier.keys import HashName, KVLayout, NamespaceSpec
 from kvtier.tiers.base import ABSENT
+from kvtier.usage.reporter import UsageReporter, release, reporter_for
 from kvtier_hf.compat import (
     KV_TO_TORCH_DTYPE,
     TORCH_TO_KV_DTYPE,
@@ -150,12 +151,17 @@ class KVTierHF:
     ``cache``: a :class:`PrefixCache` is used as given (its namespace names the model; its
     layout and KV dtype must be this model's, else ValueError); a :class:`KVTierConfig` (or
     None: defaults) opens one with the namespace :func:`namespace_for` derives. Raises
-    ValueError for models with sliding-window layers."""
+    ValueError for models with sliding-window layers.
+
+    Usage reports (kvtier.usage): a KVTierHF that opens its cache from a config with a ``grpc``
+    tier sends its counters to those nodes under ``replica_id`` (else ``usage.replica_id``,
+    else host-pid); one handed a PrefixCache reports nothing (it has no node list)."""
 
     def __init__(self, model: PreTrainedModel, cache: PrefixCache | KVTierConfig | None = None, *,
                  chunk_tokens: int | None = None, model_id: str | None = None,
-                 revision: str | None = None) -> None:
+                 revision: str | None = None, replica_id: str = "") -> None:
         self.model = model
+        self.usage: UsageReporter | None = None  # engine usage reports (a config with grpc nodes)
         self._forward = ForwardKwargs.of(model)
         if isinstance(cache, PrefixCache):
             spec = namespace_for(model, chunk_tokens or cache.spec.layout.chunk_tokens,
@@ -174,6 +180,7 @@ class KVTierHF:
                                  revision=revision, salt=cfg.salt,
                                  hash_name=cfg.hash)  # type: ignore[arg-type]
             self.prefix_cache, self._owns_cache = PrefixCache.open(fit_config(cfg, spec), spec), True
+            self.usage = reporter_for(cfg, spec.model_id, "hf", replica_id)
         self.spec = self.prefix_cache.spec
         self.dtype = KV_TO_TORCH_DTYPE[self.spec.kv_dtype]
         if has_sliding_layers(new_cache(model.config)):
@@ -193,14 +200,34 @@ class KVTierHF:
             return RestoredPrefix(new_cache(self.model.config), 0, seconds=time.perf_counter() - t0)
         hit = self.prefix_cache.lookup(ids)
         if not hit.tokens:
+            self._report_lookup(ids, 0, {}, hit.reason, 0.0, 0)
             return RestoredPrefix(new_cache(self.model.config), 0, {}, hit.reason,
                                   time.perf_counter() - t0)
         use = min(hit.tokens, len(ids) - 1)
         got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config, self.device)
         reason = got.reason if got.tokens < use else hit.reason
         log.debug("restored %d/%d prompt tokens (%s)", got.tokens, len(ids), got.per_tier)
-        return RestoredPrefix(got.cache, got.tokens, got.per_tier, reason, time.perf_counter() - t0,
-                              got.nbytes)
+        seconds = time.perf_counter() - t0
+        if self.usage is not None and got.tokens < use:
+            self.usage.counters.record_load_failure()
+        self._report_lookup(ids, got.tokens, got.per_tier, reason, seconds, got.nbytes)
+        return RestoredPrefix(got.cache, got.tokens, got.per_tier, reason, seconds, got.nbytes)
+
+    def _report_lookup(self, ids: np.ndarray, tokens: int, per_tier: dict[str, int], reason: str,
+                       seconds: float, nbytes: int) -> None:
+        """Count one prompt for the usage reports: the tokens the engine took from the cache,
+        by tier (chunks x chunk_tokens, the partly used last chunk taken off the last tier)."""
+        if self.usage is None:
+            return
+        chunk = self.spec.layout.chunk_tokens
+        by_tier = {t: n * chunk for t, n in per_tier.items()}
+        if by_tier:
+            last = next(reversed(by_tier))
+            by_tier[last] -= sum(by_tier.values()) - tokens
+        prefix = self.prefix_cache.keys(ids[:chunk])[0].hex() if len(ids) >= chunk else ""
+        self.usage.counters.record_lookup(len(ids), by_tier, reason, prefix)
+        if tokens:
+            self.usage.counters.record_restore(tokens, seconds, nbytes, prefix)
 
     def restore(self, input_ids: TokenIds) -> tuple[Any, int]:
         """(DynamicCache holding the restored prefix, number of prompt tokens it covers)."""
@@ -252,6 +279,9 @@ class KVTierHF:
                 out.append(token)
                 pos += 1
             t4 = time.perf_counter()
+        if self.usage is not None and use_kvtier:
+            self.usage.counters.record_prefill_saved(start)
+            self.usage.counters.record_ttft(start > 0, t2 - t0)
         return GenerationResult(
             tokens=tuple(out), prompt_tokens=len(ids), restored_tokens=start,
             prefilled_tokens=len(ids) - start, saved_chunks=saved,
@@ -265,6 +295,8 @@ class KVTierHF:
         return self.prefix_cache.store.flush(timeout_s)
 
     def close(self) -> None:
+        release(self.usage)  # the last report goes out
+        self.usage = None
         if self._owns_cache:
             self.prefix_cache.close()
 

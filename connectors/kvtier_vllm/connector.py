@@ -80,7 +80,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 engine_id=str(self._kv_transfer_config.engine_id),
                 dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
                 world_size=pc.tensor_parallel_size * pc.pipeline_parallel_size, kv_events=kv_events,
-                hash_block_size=getattr(kv_cache_config, "hash_block_size", None))
+                hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
+                model=settings.model_id or str(vllm_config.model_config.model))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

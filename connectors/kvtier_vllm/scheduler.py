@@ -28,6 +28,7 @@ from .ipc import LookupClient, socket_path
 from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadOutcome, LoadSpec, SaveSpec
 from .settings import VllmSettings, namespace_salt
 from .stats import KVTierStats, StatsCollector
+from .usage import SchedulerUsage
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -72,7 +73,8 @@ class _Req:
 class SchedulerSide:
     def __init__(self, cfg: KVTierConfig, settings: VllmSettings, *, block_size: int,
                  engine_id: str, dp_rank: int, world_size: int, kv_events: bool,
-                 hash_block_size: int | None = None) -> None:
+                 hash_block_size: int | None = None,
+                 model: str = "") -> None:
         self.cfg = cfg
         self.settings = settings
         self.block_size = block_size
@@ -92,6 +94,7 @@ class SchedulerSide:
             self.chunk, hash_block_size or block_size, settings.events_tracked_chunks,
             settings.events_queue_keys, on_drop=lambda n: self.stats.add(kv_events_dropped=n),
         ) if kv_events else None
+        self.usage = SchedulerUsage(cfg, model, engine_id)  # engine usage reports (kvtier.usage)
 
     # --- lookup ---------------------------------------------------------------------------
     def _state(self, request: Request) -> _Req:
@@ -276,10 +279,12 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.async_inflight = False
+        self.usage.on_worker_stats(getattr(out, "kv_connector_stats", None))
         wm = getattr(out, "kv_connector_worker_meta", None)
         if not isinstance(wm, KVTierWorkerMeta):
             return
         for req_id, o in wm.loads.items():
+            self.usage.on_outcome(o)
             st = self._reqs.get(req_id)
             if st is None:
                 continue
@@ -303,6 +308,9 @@ class SchedulerSide:
             "failure_reason": st.outcome.reason if st.outcome and st.outcome.ok_end < st.outcome.end else "",
             "saved_tokens": st.saved_upto,
         }}
+        failed = st.outcome is not None and st.outcome.ok_end < st.outcome.end
+        self.usage.on_finished(int(getattr(request, "num_prompt_tokens", 0) or 0), st.hit_tokens,
+                               st.hit_tiers, self.chunk, st.outcome.reason if st.outcome and failed else "")
         # An async load still writing into these blocks: vLLM frees them on finished_recving.
         return st.async_inflight, params
 
@@ -321,4 +329,5 @@ class SchedulerSide:
     def shutdown(self) -> None:
         for client in self._clients:
             client.close()
+        self.usage.close()
 

@@ -122,7 +122,7 @@ class WorkerSide:
             kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
             world_size=world, hash_name=self.cfg.hash)  # type: ignore[arg-type]
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
-        self.metrics = Metrics()
+        self.metrics = Metrics(label_values=self.cfg.metrics_label_values)
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
         if info.kv_events and info.rank == 0:

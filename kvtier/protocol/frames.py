@@ -33,6 +33,10 @@ length`` (u64 each) in place of the chunk bytes. Each request uses the segment f
 
 Before HELLO a server accepts only HELLO-sized frames (:meth:`WireLimits.handshake`).
 
+The fixed part (types, flags, header, limits, :class:`Frame`) is :mod:`kvtier.protocol.wire`,
+the encoders and body parsers :mod:`kvtier.protocol.messages`; this module holds the reader and
+re-exports both.
+
 Ownership: a frame's ``body`` is a view into the reader's buffer (valid until the next frame),
 into the caller's target buffer (see ``body_target``) or, from :meth:`FrameReader.feed`, into
 the fed bytes when a whole body arrived in one piece (then :meth:`Frame.body_bytes` is free).
@@ -41,102 +45,77 @@ Every decoding problem raises :class:`ProtocolError`; nothing else escapes a par
 
 from __future__ import annotations
 
-import json
-import struct
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-from kvtier.keys import KEY_BYTES
+from kvtier.protocol.messages import (
+    Buffers,
+    PutItem,
+    ShmOffer,
+    ShmRef,
+    encode_chunk,
+    encode_chunk_ref,
+    encode_error,
+    encode_get,
+    encode_hello,
+    encode_miss,
+    encode_put,
+    encode_put_ref,
+    encode_put_reply,
+    encode_shm_mapped,
+    encode_shm_open,
+    encode_shm_ready,
+    encode_welcome,
+    expect_type,
+    parse_get,
+    parse_hello,
+    parse_put,
+    parse_put_reply,
+    parse_ref,
+    parse_shm_ready,
+    parse_text,
+    parse_welcome,
+)
+from kvtier.protocol.wire import (
+    CHUNK,
+    ERROR,
+    GET,
+    HEADER,
+    HEADER_SIZE,
+    HELLO,
+    HELLO_MAX,
+    MAGIC,
+    MISS,
+    MORE,
+    PARENT,
+    PUT,
+    PUT_REPLY,
+    SHM,
+    SHM_MAPPED,
+    SHM_OPEN,
+    SHM_READY,
+    TYPE_NAMES,
+    VERSION,
+    WELCOME,
+    Frame,
+    FrameHeader,
+    ProtocolError,
+    WireLimits,
+    encode_header,
+    parse_header,
+)
 
-MAGIC = b"KW"
-VERSION = 1
-HEADER = struct.Struct("<2sBBIQ")
-HEADER_SIZE = HEADER.size
-assert HEADER_SIZE == 16
+__all__ = [
+    "CHUNK", "ERROR", "GET", "HEADER", "HEADER_SIZE", "HELLO", "HELLO_MAX", "MAGIC", "MISS", "MORE",
+    "PARENT", "PUT", "PUT_REPLY", "SHM", "SHM_MAPPED", "SHM_OPEN", "SHM_READY", "TYPE_NAMES", "VERSION",
+    "WELCOME", "BodyTarget", "Buffers", "Frame", "FrameHeader", "FrameReader", "ProtocolError", "PutItem",
+    "ShmOffer", "ShmRef", "WireLimits", "encode_chunk", "encode_chunk_ref", "encode_error", "encode_get",
+    "encode_header", "encode_hello", "encode_miss", "encode_put", "encode_put_ref", "encode_put_reply",
+    "encode_shm_mapped", "encode_shm_open", "encode_shm_ready", "encode_welcome", "expect_type",
+    "parse_get", "parse_header", "parse_hello", "parse_put", "parse_put_reply", "parse_ref",
+    "parse_shm_ready", "parse_text", "parse_welcome",
+]
 
-HELLO, WELCOME, ERROR, GET, CHUNK, MISS, PUT, PUT_REPLY, SHM_OPEN, SHM_READY, SHM_MAPPED = range(1, 12)
-TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", ERROR: "ERROR", GET: "GET", CHUNK: "CHUNK",
-              MISS: "MISS", PUT: "PUT", PUT_REPLY: "PUT_REPLY", SHM_OPEN: "SHM_OPEN",
-              SHM_READY: "SHM_READY", SHM_MAPPED: "SHM_MAPPED"}
-MORE = 1
-PARENT = 2
-SHM = 4
-_REF = struct.Struct("<QQ")
-_SMALL = 64 << 10  # bound of control bodies (HELLO, WELCOME, ERROR, MISS)
-HELLO_MAX = 4096  # a bearer token is at most 4096 characters (kvtier.server.auth)
-
-
-class ProtocolError(Exception):
-    """The peer sent something this protocol does not allow; the connection is unusable."""
-
-
-@dataclass(frozen=True)
-class WireLimits:
-    max_chunk_bytes: int = 32 << 20
-    max_batch_keys: int = 4096
-    max_control_bytes: int = _SMALL
-
-    @classmethod
-    def handshake(cls) -> WireLimits:
-        """Before authentication: no chunk, no keys, control bodies (HELLO) up to HELLO_MAX."""
-        return cls(0, 0, HELLO_MAX)
-
-    def max_body(self, ftype: int) -> int:
-        if ftype in (CHUNK, PUT):
-            return self.max_chunk_bytes + 2 * KEY_BYTES
-        if ftype == GET:
-            return self.max_batch_keys * KEY_BYTES
-        if ftype == PUT_REPLY:
-            return self.max_batch_keys
-        return self.max_control_bytes
-
-
-@dataclass(frozen=True)
-class FrameHeader:
-    type: int
-    flags: int
-    count: int
-    length: int
-
-
-def encode_header(ftype: int, flags: int, count: int, length: int) -> bytes:
-    return HEADER.pack(MAGIC, ftype, flags, count, length)
-
-
-def parse_header(data: bytes | bytearray | memoryview, limits: WireLimits) -> FrameHeader:
-    if len(data) != HEADER_SIZE:
-        raise ProtocolError(f"frame header is {HEADER_SIZE} bytes, got {len(data)}")
-    magic, ftype, flags, count, length = HEADER.unpack(data)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
-    if ftype not in TYPE_NAMES:
-        raise ProtocolError(f"unknown frame type {ftype}")
-    if flags & ~(MORE | PARENT | SHM):
-        raise ProtocolError(f"unknown frame flags {flags:#x}")
-    if length > limits.max_body(ftype):
-        raise ProtocolError(f"{TYPE_NAMES[ftype]} body of {length} bytes exceeds {limits.max_body(ftype)}")
-    return FrameHeader(ftype, flags, count, length)
-
-
-@dataclass(frozen=True)
-class Frame:
-    header: FrameHeader
-    body: memoryview
-
-    @property
-    def type(self) -> int:
-        return self.header.type
-
-    def body_bytes(self) -> bytes:
-        """The body as ``bytes``; no copy when it is a whole ``bytes`` object already."""
-        obj = self.body.obj
-        if isinstance(obj, bytes) and len(obj) == self.body.nbytes:
-            return obj
-        return bytes(self.body)
-
-
-BodyTarget = Callable[[FrameHeader], memoryview | None]
+BodyTarget = Callable[[FrameHeader], memoryview | tuple[memoryview, memoryview] | None]
 
 
 class FrameReader:
@@ -146,7 +125,10 @@ class FrameReader:
     reader.advance(n)`` until a frame comes out. ``buffer()`` never spans two frames, so a
     read never takes bytes of the next frame. ``body_target(header)`` (optional) may return a
     buffer of at least ``header.length`` bytes to receive that frame's body (e.g. the caller's
-    ``get_into`` destination); None means the reader's own reusable buffer.
+    ``get_into`` destination), or two buffers whose sizes add up to ``header.length`` exactly:
+    the body's first part lands in the first, the rest in the second (the frame's ``body``
+    and ``tail``: a server receives a PUT's keys in one and its chunk in a store slot); None
+    means the reader's own reusable buffer.
     """
 
     def __init__(self, limits: WireLimits, body_target: BodyTarget | None = None) -> None:
@@ -157,6 +139,7 @@ class FrameReader:
         self._got = 0
         self._header: FrameHeader | None = None
         self._body: memoryview | None = None
+        self._tail: memoryview | None = None  # the second part of a split body target
 
     def need(self) -> int:
         """Bytes still missing for the current header or body (always >= 1)."""
@@ -168,6 +151,8 @@ class FrameReader:
         if self._header is None:
             return memoryview(self._head)[self._got :]
         assert self._body is not None
+        if self._tail is not None and self._got >= self._body.nbytes:
+            return self._tail[self._got - self._body.nbytes :]
         return self._body[self._got :]
 
     def advance(self, n: int) -> Frame | None:
@@ -189,6 +174,13 @@ class FrameReader:
 
     def _body_buffer(self, header: FrameHeader) -> memoryview:
         target = self.body_target(header) if self.body_target is not None else None
+        if isinstance(target, tuple):
+            head, tail = target
+            if head.nbytes + tail.nbytes != header.length:
+                raise ValueError(f"split body target of {head.nbytes} + {tail.nbytes} bytes for a "
+                                 f"{header.length}-byte body")
+            self._tail = tail
+            return head
         if target is not None:
             if target.nbytes < header.length:
                 raise ValueError(f"body target of {target.nbytes} bytes for a {header.length}-byte body")
@@ -200,8 +192,8 @@ class FrameReader:
 
     def _finish(self, body: memoryview) -> Frame:
         assert self._header is not None
-        frame = Frame(self._header, body)
-        self._header, self._body, self._got = None, None, 0
+        frame = Frame(self._header, body, self._tail)
+        self._header, self._body, self._tail, self._got = None, None, None, 0
         return frame
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
@@ -213,7 +205,7 @@ class FrameReader:
         while pos < len(view):
             if (self._header is not None and self._got == 0 and isinstance(data, bytes)
                     and len(view) - pos >= self._header.length and self._body is not None
-                    and self._body.obj is self._own):
+                    and self._body.obj is self._own and self._tail is None):
                 self._body = view[pos : pos + self._header.length]
                 pos += self._header.length
                 frames.append(self._finish(self._body))
@@ -228,182 +220,3 @@ class FrameReader:
                     frame = Frame(frame.header, memoryview(bytes(frame.body)))
                 frames.append(frame)
         return frames
-
-
-# --- encoders: each returns the buffers to send, in order (scatter/gather friendly) ------------
-Buffers = list[bytes | bytearray | memoryview]
-
-
-def encode_hello(token: str) -> Buffers:
-    body = token.encode()
-    return [encode_header(HELLO, 0, VERSION, len(body)), body]
-
-
-def encode_welcome(info: dict[str, Any]) -> Buffers:
-    body = json.dumps(info).encode()
-    return [encode_header(WELCOME, 0, 0, len(body)), body]
-
-
-def encode_error(code: int, message: str) -> Buffers:
-    body = message.encode()[:_SMALL]
-    return [encode_header(ERROR, 0, code, len(body)), body]
-
-
-def encode_get(keys: Sequence[bytes]) -> Buffers:
-    body = b"".join(keys)
-    return [encode_header(GET, 0, len(keys), len(body)), body]
-
-
-def encode_chunk(index: int, chunk: bytes | bytearray | memoryview) -> Buffers:
-    return [encode_header(CHUNK, 0, index, len(chunk)), chunk]
-
-
-def encode_chunk_ref(index: int, offset: int, length: int) -> Buffers:
-    """Chunk ``index`` lies at ``offset`` in the connection's shared segment."""
-    return [encode_header(CHUNK, SHM, index, _REF.size) + _REF.pack(offset, length)]
-
-
-def encode_shm_open() -> Buffers:
-    return [encode_header(SHM_OPEN, 0, 0, 0)]
-
-
-def encode_shm_ready(offer: ShmOffer) -> Buffers:
-    body = json.dumps({"socket": offer.socket, "ticket": offer.ticket, "size": offer.size}).encode()
-    return [encode_header(SHM_READY, 0, 0, len(body)), body]
-
-
-def encode_shm_mapped(ok: bool) -> Buffers:
-    return [encode_header(SHM_MAPPED, 0, 1 if ok else 0, 0)]
-
-
-def encode_miss(index: int, reason: str) -> Buffers:
-    body = reason.encode()
-    return [encode_header(MISS, 0, index, len(body)), body]
-
-
-def encode_put(key: bytes, chunk: bytes | bytearray | memoryview, depth: int = 0, parent: bytes = b"",
-               more: bool = False) -> Buffers:
-    flags = (MORE if more else 0) | (PARENT if parent else 0)
-    head = key + parent
-    return [encode_header(PUT, flags, depth, len(head) + len(chunk)) + head, chunk]
-
-
-def encode_put_ref(key: bytes, offset: int, length: int, depth: int = 0, parent: bytes = b"",
-                   more: bool = False) -> Buffers:
-    """A PUT whose chunk the client wrote at ``offset`` in the connection's shared segment."""
-    flags = (MORE if more else 0) | (PARENT if parent else 0) | SHM
-    body = key + parent + _REF.pack(offset, length)
-    return [encode_header(PUT, flags, depth, len(body)) + body]
-
-
-def encode_put_reply(stored: Sequence[bool]) -> Buffers:
-    body = bytes(bytearray(1 if s else 0 for s in stored))
-    return [encode_header(PUT_REPLY, 0, len(stored), len(body)), body]
-
-
-# --- body parsers --------------------------------------------------------------------------------
-def expect_type(frame: Frame, *types: int) -> None:
-    if frame.type not in types:
-        want = " or ".join(TYPE_NAMES[t] for t in types)
-        raise ProtocolError(f"expected {want}, got {TYPE_NAMES.get(frame.type, frame.type)}")
-
-
-def parse_hello(frame: Frame) -> str:
-    expect_type(frame, HELLO)
-    if frame.header.count != VERSION:
-        raise ProtocolError(f"protocol version {frame.header.count}; this server speaks {VERSION}")
-    try:
-        return bytes(frame.body).decode()
-    except UnicodeDecodeError:
-        raise ProtocolError("HELLO token is not UTF-8") from None
-
-
-def parse_text(frame: Frame) -> str:
-    try:
-        return bytes(frame.body).decode()
-    except UnicodeDecodeError:
-        raise ProtocolError(f"{TYPE_NAMES[frame.type]} body is not UTF-8") from None
-
-
-def parse_welcome(frame: Frame) -> dict[str, Any]:
-    expect_type(frame, WELCOME)
-    try:
-        info = json.loads(bytes(frame.body))
-    except ValueError:
-        raise ProtocolError("WELCOME body is not JSON") from None
-    if not isinstance(info, dict):
-        raise ProtocolError("WELCOME body is not a JSON object")
-    return info
-
-
-def parse_get(frame: Frame, limits: WireLimits) -> list[bytes]:
-    expect_type(frame, GET)
-    n = frame.header.count
-    if n > limits.max_batch_keys or frame.body.nbytes != n * KEY_BYTES:
-        raise ProtocolError(f"GET of {n} keys with a {frame.body.nbytes}-byte body")
-    body = bytes(frame.body)
-    return [body[i : i + KEY_BYTES] for i in range(0, len(body), KEY_BYTES)]
-
-
-@dataclass(frozen=True)
-class ShmRef:
-    """``length`` bytes at ``offset`` of the connection's shared segment (unchecked: the
-    receiver checks the range against the segment it mapped)."""
-
-    offset: int
-    length: int
-
-    def within(self, size: int) -> bool:
-        return self.offset + self.length <= size
-
-
-@dataclass(frozen=True)
-class PutItem:
-    key: bytes
-    parent: bytes
-    depth: int
-    chunk: memoryview | ShmRef
-    more: bool
-
-
-def parse_ref(body: memoryview, what: str) -> ShmRef:
-    if body.nbytes != _REF.size:
-        raise ProtocolError(f"{what} shared-memory reference of {body.nbytes} bytes, expected {_REF.size}")
-    return ShmRef(*_REF.unpack(body))
-
-
-def parse_put(frame: Frame) -> PutItem:
-    expect_type(frame, PUT)
-    head = 2 * KEY_BYTES if frame.header.flags & PARENT else KEY_BYTES
-    if frame.body.nbytes < head:
-        raise ProtocolError(f"PUT body of {frame.body.nbytes} bytes has no room for its keys")
-    body = frame.body
-    parent = bytes(body[KEY_BYTES:head]) if head > KEY_BYTES else b""
-    chunk: memoryview | ShmRef = parse_ref(body[head:], "PUT") if frame.header.flags & SHM else body[head:]
-    return PutItem(bytes(body[:KEY_BYTES]), parent, frame.header.count, chunk, bool(frame.header.flags & MORE))
-
-
-@dataclass(frozen=True)
-class ShmOffer:
-    """SHM_READY: where to fetch the segment's descriptor, with which ticket, and its size."""
-
-    socket: str  # abstract Unix socket name, without the leading NUL
-    ticket: str
-    size: int
-
-
-def parse_shm_ready(frame: Frame) -> ShmOffer:
-    expect_type(frame, SHM_READY)
-    info = parse_welcome(Frame(FrameHeader(WELCOME, 0, 0, frame.header.length), frame.body))
-    sock, ticket, size = info.get("socket"), info.get("ticket"), info.get("size")
-    if (not isinstance(sock, str) or not sock or not isinstance(ticket, str) or not ticket
-            or not isinstance(size, int) or isinstance(size, bool) or size <= 0):
-        raise ProtocolError("SHM_READY needs a socket, a ticket and a positive size")
-    return ShmOffer(sock, ticket, size)
-
-
-def parse_put_reply(frame: Frame, expected: int) -> list[bool]:
-    expect_type(frame, PUT_REPLY)
-    if frame.header.count != expected or frame.body.nbytes != expected:
-        raise ProtocolError(f"PUT_REPLY for {frame.header.count} items, expected {expected}")
-    return [b != 0 for b in frame.body]

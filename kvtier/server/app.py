@@ -36,6 +36,8 @@ from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import Limits
 from kvtier.server.servicer import SERVICE, Endpoint, KVTierServicer
 from kvtier.server.storage import Storage
+from kvtier.server.usage import UsageAggregator
+from kvtier.server.usage_metrics import EngineUsageCollector
 
 log = logging.getLogger("kvtier.server")
 
@@ -86,6 +88,7 @@ class KVTierServer:
         self.ports: dict[str, int] = {}
         self.started = time.monotonic()
         self.draining = False
+        self.usage = UsageAggregator(bucket_s=cfg.usage_bucket_s)  # what engines report (ReportUsage), for /api/cluster
 
     async def start(self) -> dict[str, int]:
         cfg = self.cfg
@@ -93,8 +96,9 @@ class KVTierServer:
         self.storage = await loop.run_in_executor(self.executor, lambda: Storage(
             self.auth.tenants.values(), cfg.cpu, cfg.disk, cfg.default_quota_bytes,
             store_factory=store_factory(cfg)))
-        self.metrics = ServerMetrics(self.storage)
-        self.metrics.registry.register(LowerCollector(self.storage))
+        self.metrics = ServerMetrics(self.storage, label_values=cfg.metrics_label_values)
+        self.metrics.registry.register(LowerCollector(self.storage, self.metrics.tenant_label))
+        self.metrics.registry.register(EngineUsageCollector(self.usage))
         limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
                         cfg.max_message_bytes)
         tls_ctx = server_ssl_context(cfg)
@@ -118,7 +122,7 @@ class KVTierServer:
             if self.data.shm_bytes:  # same data port: SHM_OPEN upgrades a connection
                 endpoints.append(Endpoint("shm", self.ports["data"], tls_ctx is not None))
         servicer = KVTierServicer(self.storage, self.auth, limits, self.metrics, self.executor,
-                                  self.node_id, endpoints)
+                                  self.node_id, endpoints, self.usage)
         server = aio.server(options=grpc_server_options(cfg))
         server.add_generic_rpc_handlers((servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -163,6 +167,7 @@ class KVTierServer:
             "node_id": self.node_id, "version": __version__, "uptime_s": time.monotonic() - self.started,
             "ports": self.ports, "draining": self.draining,
             "tenants": [_tenant_dict(s) for s in self.storage.stores.values()],
+            "usage": self.usage.document(),
         }
 
     async def stop(self) -> None:

@@ -56,11 +56,15 @@ class ServerConfig:
     # Other servers' HTTP side ports (host:http_port) shown on this node's /dashboard; this
     # node may be listed too (skipped by node id), so every node can share one list.
     peers: tuple[str, ...] = ()
+    # Width of one point of the engines' hit-ratio-over-time chart (90 points are kept).
+    usage_bucket_s: float = field(default=10.0, metadata=value_range(0.5, 3600))
     # Auth: empty = off (one tenant, "default"). Format in kvtier.server.auth.
     tokens_file: str = ""
     # Quota (a cap on RAM and on disk, within the shared budgets) of tenants whose token line
     # names none; 0 = no cap but the budget (every tenant is still guaranteed capacity // n).
     default_quota_bytes: int = field(default=0, metadata=value_range(0, None, size=True))
+    # Distinct tenants /metrics names before the rest are summed into tenant="other".
+    metrics_label_values: int = field(default=64, metadata=value_range(0, 100_000))
     tls_cert: str = ""
     tls_key: str = ""
     # CA bundle that client certificates must chain to; set = mutual TLS required.

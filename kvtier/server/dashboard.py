@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from kvtier.server import usage_view
+
 log = logging.getLogger(__name__)
 PEER_TIMEOUT_S = 1.0  # per peer, connect to last byte; the page waits at most this long
 MAX_REPLY_BYTES = 8 << 20  # a stats document is KiBs; anything bigger is not one
@@ -54,8 +56,9 @@ def split_hostport(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def parse_http_reply(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a complete ``HTTP/1.x 200`` reply; ValueError for anything else."""
+def parse_http_reply(raw: bytes, stats: bool = True) -> dict[str, Any]:
+    """The JSON object of a complete ``HTTP/1.x 200`` reply (a /api/stats document unless
+    ``stats`` is false); ValueError for anything else."""
     head, sep, body = raw.partition(b"\r\n\r\n")
     if not sep:
         raise ValueError("truncated reply")
@@ -65,7 +68,9 @@ def parse_http_reply(raw: bytes) -> dict[str, Any]:
     if status[1] != b"200":
         raise ValueError(f"HTTP {status[1].decode('ascii', 'replace')}")
     doc = json.loads(body)
-    if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list):
+    if not isinstance(doc, dict) and not stats:
+        raise ValueError("not a JSON object")  # noqa: TRY004 - bad peer data, not a caller bug
+    if stats and (not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list)):
         raise ValueError("not a kvtier /api/stats document")  # noqa: TRY004 - bad peer data, not a caller bug
     return doc
 
@@ -90,7 +95,12 @@ async def fetch_stats(address: str, timeout: float = PEER_TIMEOUT_S) -> PeerRepl
     return PeerReply(address, None, error, time.monotonic() - start)
 
 
-async def _get(address: str, path: str) -> dict[str, Any]:
+async def get_json(address: str, path: str) -> dict[str, Any]:
+    """GET http://address/path: its JSON object (no deadline here: the caller sets one)."""
+    return await _get(address, path, stats=False)
+
+
+async def _get(address: str, path: str, stats: bool = True) -> dict[str, Any]:
     host, port = split_hostport(address)
     reader, writer = await asyncio.open_connection(host, port)
     try:
@@ -104,7 +114,7 @@ async def _get(address: str, path: str) -> dict[str, Any]:
             raw += more
         if len(raw) > MAX_REPLY_BYTES:
             raise ValueError(f"reply over {MAX_REPLY_BYTES} bytes")
-        return parse_http_reply(raw)
+        return parse_http_reply(raw, stats)
     finally:
         writer.close()
 
@@ -121,8 +131,15 @@ async def cluster(local: dict[str, Any], peers: Sequence[str],
 
 
 def dashboard_html() -> bytes:
-    """The page, shipped as package data (kvtier/server/static/dashboard.html)."""
-    return resources.files("kvtier.server").joinpath("static/dashboard.html").read_bytes()
+    """The page, shipped as package data: kvtier/server/static/dashboard.html with the
+    scripts next to it (charts.js, dashboard.js) inlined at its SCRIPTS marker, so that one
+    self-contained document is served (the CSP allows inline scripts only)."""
+    static = resources.files("kvtier.server").joinpath("static")
+    scripts = "\n".join(static.joinpath(name).read_text() for name in ("charts.js", "dashboard.js"))
+    if "</script" in scripts.lower():
+        raise ValueError("a dashboard script contains '</script': it would end the inline block")
+    page = static.joinpath("dashboard.html").read_text()
+    return page.replace("<!--SCRIPTS-->", f"<script>\n{scripts}</script>", 1).encode()
 
 
 # --- pure half -------------------------------------------------------------------------------
@@ -214,11 +231,14 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
     every node can be given the same list), and cluster totals over the nodes that are up."""
     me = str(local.get("node_id", ""))
     nodes = [node_summary(local, "self")]
+    usage = [(me, local.get("usage") or {})]
     for reply in replies:
         if reply.doc is None:
             nodes.append(down_node(reply))
         elif str(reply.doc.get("node_id", "")) != me:
             nodes.append(_peer_summary(reply))
+            if nodes[-1]["up"] and _usage_ok(reply.doc.get("usage")):
+                usage.append((nodes[-1]["node_id"], reply.doc["usage"]))
     up = [n for n in nodes if n["up"]]
     total: Counter[str] = Counter()
     evictions: Counter[str] = Counter()
@@ -242,4 +262,17 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
                    "hit_rate": _rate(total["hit_chunks"], total["miss_chunks"]),
                    "evictions": dict(evictions), "miss_reasons": dict(misses)},
         "tiers": [{"name": name, **dict(c)} for name, c in tiers.items()],
+        "engines": usage_view.engines_document(usage),
     }
+
+
+def _usage_ok(usage: Any) -> bool:
+    """A peer's ``usage`` section merges (an older peer has none: nothing to merge)."""
+    if not isinstance(usage, dict):
+        return False
+    try:
+        usage_view.engines_document([("peer", usage)])
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        log.info("peer usage section ignored: %r", exc)
+        return False
+    return True

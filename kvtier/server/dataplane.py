@@ -16,6 +16,9 @@ reason (INVALID_ARGUMENT) and the connection is closed.
 PUT batches are all or nothing, as on the gRPC side: items are checked as they arrive; when
 one is refused the chunks this batch newly stored are removed again and the reply is one
 ERROR, so a refused batch leaves nothing behind (chunks that were there before stay).
+On a RAM-only store a PUT's chunk is received straight into a RAM slot reserved for it
+(:class:`_DirectPut`; published only once verified), so the kernel's copy is the only one.
+GET replies are :mod:`kvtier.server.data_get`'s (RAM hits sent from the arena, no copy).
 
 Shared memory (same host, ``shm_bytes`` > 0): on SHM_OPEN the server makes a sealed memfd
 for this connection and hands its descriptor to the client over a one-shot Unix socket
@@ -40,22 +43,23 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
 
 import grpc
 
+from kvtier.keys import KEY_BYTES
 from kvtier.protocol.frames import (
+    PARENT,
+    PUT,
+    SHM,
     SHM_OPEN,
+    FrameHeader,
     FrameReader,
     ProtocolError,
     PutItem,
     ShmOffer,
     ShmRef,
     WireLimits,
-    encode_chunk,
-    encode_chunk_ref,
     encode_error,
-    encode_miss,
     encode_put_reply,
     encode_shm_ready,
     encode_welcome,
@@ -65,15 +69,15 @@ from kvtier.protocol.socket_io import read_frame, send_all
 from kvtier.server import shm as shm_segment
 from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
+from kvtier.server.data_get import GetReplier
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import BadRequest, Limits, make_entry
 from kvtier.server.storage import Storage, TenantStore
-from kvtier.tiers.base import Miss
+from kvtier.tiers.cpu import Reservation
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 600.0
 ERROR_SEND_S = 1.0  # at most this long to tell a misbehaving peer why it is cut off
-Buffer = bytes | memoryview
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
@@ -87,6 +91,41 @@ class _Batch:
         self.new_keys: list[bytes] = []
 
 
+class _DirectPut:
+    """Where a connection's PUT bodies land: the keys in a small buffer and the chunk straight
+    in a RAM slot the store reserves for it (:meth:`TenantStore.reserve`: no copy after the
+    kernel's), when the store takes it so; else the reader's own buffer and a copying put.
+    Holds at most one reservation (the frame being received); ``take`` hands it to the put,
+    ``abort`` gives it back when the frame never completes."""
+
+    def __init__(self, store: TenantStore) -> None:
+        self.store = store
+        self.refusing = False  # the batch was refused: its remaining items are only drained
+        self.reservation: Reservation | None = None
+        self._keys = memoryview(bytearray(2 * KEY_BYTES))
+
+    def target(self, header: FrameHeader) -> tuple[memoryview, memoryview] | None:
+        if header.type != PUT or header.flags & SHM or self.refusing:
+            return None
+        head = 2 * KEY_BYTES if header.flags & PARENT else KEY_BYTES
+        if header.length <= head:
+            return None  # no chunk: parse_put / verification refuse it
+        self.abort()  # (cannot hold one here: the previous frame completed or failed)
+        self.reservation = self.store.reserve(header.length - head)
+        if self.reservation is None:
+            return None
+        return self._keys[:head], self.reservation.view
+
+    def take(self) -> Reservation | None:
+        res, self.reservation = self.reservation, None
+        return res
+
+    def abort(self) -> None:
+        res = self.take()
+        if res is not None:
+            self.store.abort(res)
+
+
 class DataPlane:
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
                  tls: ssl.SSLContext | None, max_connections: int, shm_bytes: int = 0,
@@ -98,6 +137,7 @@ class DataPlane:
         self.metrics = metrics
         self.tls = tls
         self.max_connections = max_connections
+        self.replier = GetReplier(metrics, storage.slot_bytes())
         self.shm_bytes = shm_bytes if shm_segment.AVAILABLE else 0
         self.admission = Admission(max_connections, max_unauthenticated, handshake_s, max_per_tenant)
         self._listener: socket.socket | None = None
@@ -188,7 +228,8 @@ class DataPlane:
         send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
                                        "max_batch_keys": self.limits.max_batch_keys}))
         store = self.storage.store(tenant.name)
-        reader = FrameReader(self.wire_limits)
+        direct = _DirectPut(store)
+        reader = FrameReader(self.wire_limits, direct.target)
         # Reused for every chunk this connection sends. An anonymous mapping: pages become
         # resident only when first written, and then stay (no per-request page faults).
         scratch_map = mmap.mmap(-1, self.limits.max_chunk_bytes)
@@ -206,14 +247,16 @@ class DataPlane:
                     self._shm_control(sock, seg, request)
                     continue
                 if isinstance(request, list):
-                    self._get(sock, store, request, scratch, seg.view)
+                    self.replier.send(sock, store, request, scratch, seg.view)
                     continue
                 assert isinstance(request, PutItem)
-                self._put_item(store, request, batch, seg.view)
+                self._put_item(store, request, batch, seg.view, direct.take())
                 if not request.more:
                     self._reply_put(sock, store, batch)
                     batch = _Batch()
+                direct.refusing = batch.error is not None  # the rest of a refused batch is drained
         finally:
+            direct.abort()  # a body cut off (or refused by the session) is never published
             self._undo(store, batch)  # a batch that never got its reply leaves nothing behind
             seg.close()
 
@@ -240,9 +283,14 @@ class DataPlane:
         else:
             seg.close()
 
-    def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None) -> None:
-        """Store one item of ``batch`` unless an earlier one was refused (then it is only drained)."""
+    def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None,
+                  reserved: Reservation | None = None) -> None:
+        """Store one item of ``batch`` unless an earlier one was refused (then it is only
+        drained). ``reserved``: the RAM slot the chunk was received into (``item.chunk`` views
+        it), published only once the chunk is verified."""
         if batch.error is not None:
+            if reserved is not None:
+                store.abort(reserved)
             batch.flags.append(False)
             return
         chunk = item.chunk
@@ -254,13 +302,15 @@ class DataPlane:
         try:
             entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, len(batch.flags))
         except BadRequest as exc:
+            if reserved is not None:
+                store.abort(reserved)
             batch.error = exc
             batch.flags.append(False)
             self.metrics.rejected.labels(exc.code.name).inc()
             return
         # Probed tier by tier, not by store.probe: that one counts as a client lookup.
         new = not any(tier.probe([item.key]).hits for tier in store.tiers)
-        ok = store.put([entry])[0]
+        ok = store.commit(reserved, entry) if reserved is not None else store.put([entry])[0]
         if ok and new:
             batch.new_keys.append(item.key)
         batch.flags.append(ok)
@@ -280,53 +330,6 @@ class DataPlane:
             send_all(sock, encode_error(error.code.value[0], error.message))
         else:
             send_all(sock, encode_put_reply(batch.flags))
-
-    def _get(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
-             shm: memoryview | None) -> None:
-        """Each chunk is copied out of the tier into the shared segment (then only a reference
-        is sent); over the socket, a RAM hit is sent straight from its leased arena slot (no
-        copy: the lease keeps the slot from reuse until the send returns, at most the socket's
-        idle timeout), anything else through this connection's scratch buffer (no
-        allocation). Each chunk is sent at once, so the client takes chunk i while chunk i+1
-        is read."""
-        start = time.perf_counter()
-        sent = shared = offset = 0
-        for i, key in enumerate(keys):
-            if shm is not None and offset < shm.nbytes:
-                try:
-                    (ref,) = store.get_into([key], [shm[offset:]])
-                except ValueError:
-                    pass  # does not fit what is left of the segment: inline below
-                else:
-                    if isinstance(ref, Miss):
-                        send_all(conn, encode_miss(i, ref.reason))
-                    else:
-                        send_all(conn, encode_chunk_ref(i, offset, ref))
-                        offset += (ref + 63) & ~63  # cache-line aligned starts
-                        shared += ref
-                    continue
-            with store.leased_ram(key) as view:
-                if view is not None:  # straight from the arena to the socket, no copy
-                    send_all(conn, encode_chunk(i, view))
-                    sent += view.nbytes
-                    continue
-            try:
-                (result,) = store.get_into([key], [scratch])
-            except ValueError:  # larger than the scratch buffer (cannot happen within limits)
-                (value,) = store.get([key])
-                result = value if isinstance(value, Miss) else len(value)
-                body: Buffer = value if not isinstance(value, Miss) else b""
-            else:
-                body = scratch[: result] if not isinstance(result, Miss) else b""
-            if isinstance(result, Miss):
-                send_all(conn, encode_miss(i, result.reason))
-            else:
-                send_all(conn, encode_chunk(i, body))
-                sent += result
-        self.metrics.bytes.labels("out", "socket").inc(sent)
-        self.metrics.bytes.labels("out", "shm").inc(shared)
-        self.metrics.requests.labels("data.Get", "OK").inc()
-        self.metrics.seconds.labels("data.Get").observe(time.perf_counter() - start)
 
     # --- shutdown -------------------------------------------------------------------------------
     def stop_accepting(self) -> None:

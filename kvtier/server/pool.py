@@ -58,6 +58,11 @@ class SharedPool:
     def used(self) -> int:
         return sum(t.usage().used_bytes for t in self.tiers.values())
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit in the budget without evicting anything."""
+        with self._lock:
+            return self.used() + nbytes <= self.capacity_bytes
+
     def make_room(self, tenant: str, nbytes: int) -> None:
         """Evict until ``nbytes`` more fit in the budget, or no tenant above its share is left."""
         with self._lock:

@@ -39,7 +39,9 @@ from kvtier.server.requests import (
     decode_stats,
 )
 from kvtier.server.storage import Storage, TenantUsage
+from kvtier.server.usage import UsageAggregator
 from kvtier.tiers.base import Entry, Miss
+from kvtier.usage.wire import ReportError, decode_report
 
 log = logging.getLogger(__name__)
 SERVICE = "kvtier.v1.KVTier"
@@ -68,7 +70,8 @@ class KVTierServicer:
     """Owns nothing it is given; ``executor`` runs every storage call."""
 
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
-                 executor: Executor, node_id: str, endpoints: Sequence[Endpoint] = ()) -> None:
+                 executor: Executor, node_id: str, endpoints: Sequence[Endpoint] = (),
+                 usage: UsageAggregator | None = None) -> None:
         self.storage = storage
         self.auth = auth
         self.limits = limits
@@ -76,6 +79,7 @@ class KVTierServicer:
         self.executor = executor
         self.node_id = node_id
         self.endpoints = list(endpoints)
+        self.usage = usage if usage is not None else UsageAggregator()
         self.started = time.monotonic()
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -89,6 +93,9 @@ class KVTierServicer:
             "Stats": grpc.unary_unary_rpc_method_handler(self._wrap("Stats", self._stats), response_serializer=ser),
             "Put": grpc.stream_unary_rpc_method_handler(self._wrap("Put", self._put), response_serializer=ser),
             "Get": grpc.unary_stream_rpc_method_handler(self._get, response_serializer=ser),
+            # Engine usage reports (kvtier.usage.wire): JSON in, empty reply; not in the .proto.
+            "ReportUsage": grpc.unary_unary_rpc_method_handler(
+                self._wrap("ReportUsage", self._report_usage), response_serializer=bytes),
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -156,6 +163,15 @@ class KVTierServicer:
         for u in usages:
             _fill_tenant(reply.tenants.add(), u)
         return reply
+
+    async def _report_usage(self, raw: bytes, context: aio.ServicerContext) -> bytes:
+        tenant = self._tenant(context)  # the tenant is whoever the token says, never the payload
+        try:
+            report = decode_report(raw)
+        except ReportError as exc:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"ReportUsage: {exc}") from None
+        self.usage.apply(tenant.name, report)
+        return b""
 
     async def _put(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> pb.PutReply:
         store = self.storage.store(self._tenant(context).name)

@@ -34,13 +34,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import Tenant
 from kvtier.server.pool import SharedPool
 from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.cpu import CpuTier, Reservation
 from kvtier.tiers.disk import DiskTier
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ class TenantStore:
     disabled), never both. The bottom tier bounds the tenant: it is the quota. ``ram_pool``
     and ``disk_pool`` are the shared budgets its tiers belong to (None: the tier is bounded
     only by its own capacity); Storage sets them once every tenant is built."""
+
+    direct_puts: ClassVar[bool] = True  # put() is a RAM put alone: reserve() may bypass it
 
     def __init__(self, tenant: Tenant, ram: CpuTier | None, disk: DiskTier | None,
                  ram_pool: SharedPool | None = None, disk_pool: SharedPool | None = None) -> None:
@@ -189,20 +191,19 @@ class TenantStore:
         return first
 
     @contextmanager
-    def leased_ram(self, key: bytes) -> Iterator[memoryview | None]:
-        """A zero-copy view of ``key``'s chunk in the RAM tier for the ``with`` block (see
-        :meth:`CpuTier.leased`: the slot is not reused meanwhile), counted as a RAM hit; None
-        when RAM does not hold it (the caller then takes :meth:`get_into`, which looks below
-        and promotes)."""
+    def leased_ram(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
+        """Zero-copy views of ``keys``' chunks in the RAM tier for the ``with`` block (see
+        :meth:`CpuTier.leased_many`: the slots are not reused meanwhile), counted as RAM hits;
+        None for a key RAM does not hold (the caller then takes :meth:`get_into`, which looks
+        below and promotes)."""
         if self.ram is None:
-            yield None
+            yield [None] * len(keys)
             return
-        with self.ram.leased(key) as view:
-            if isinstance(view, Miss):
-                yield None
-                return
-            self._count_get(1, [view.nbytes], [view.nbytes])
-            yield view
+        with self.ram.leased_many(keys) as views:
+            hits = [v for v in views if not isinstance(v, Miss)]
+            if hits:
+                self._count_get(len(hits), hits, [v.nbytes for v in hits])
+            yield [None if isinstance(v, Miss) else v for v in views]
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         """Chunks copied into ``outs`` (no allocation); a disk hit is promoted into RAM.
@@ -244,6 +245,34 @@ class TenantStore:
         self.traffic.put(sum(memoryview(e.data).nbytes for e, ok in zip(entries, stored) if ok),
                          stored.count(False))
         return stored
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """A free RAM slot for a chunk of ``nbytes`` the caller writes in place (the data path
+        receives a PUT body straight into it); then :meth:`commit` or :meth:`abort`. Never
+        evicts (the chunk is not verified yet: a refused one must cost nothing). None when a
+        put here is more than a RAM put (a disk tier below, a subclass with ``direct_puts``
+        off), when it would take an eviction (no free slot, or the RAM pool is full) or the
+        chunk does not fit a slot: the caller then verifies first and uses :meth:`put`."""
+        ram = self.ram
+        if ram is None or self.disk is not None or not self.direct_puts or nbytes > ram.slot_bytes:
+            return None
+        if self.ram_pool is not None and not self.ram_pool.fits(nbytes):
+            return None
+        return ram.reserve(nbytes)
+
+    def commit(self, res: Reservation, entry: Entry) -> bool:
+        """Publish a reserved chunk (already verified by the caller) as ``entry``; counted as
+        a put."""
+        assert self.ram is not None  # reserve() returned a reservation
+        self._announce(self.ram, [entry])
+        ok = self.ram.commit(res, entry.key, entry.depth, entry.parent)
+        self._refused(self.ram, [entry], [ok])
+        self.traffic.put(res.view.nbytes if ok else 0, 0 if ok else 1)
+        return ok
+
+    def abort(self, res: Reservation) -> None:
+        assert self.ram is not None
+        self.ram.abort(res)
 
     # KV events (kvtier.server.events): a put is announced before it runs, its refusals after
     # it, so an eviction the put causes is published after what it evicts (as kvtier.store).
@@ -356,6 +385,10 @@ class Storage:
 
     def max_chunk_bytes(self) -> int:
         return min(s.max_chunk_bytes for s in self.stores.values())
+
+    def slot_bytes(self) -> int:
+        """The RAM tier's slot size (its largest chunk), 0 without a RAM tier."""
+        return max((s.ram.slot_bytes for s in self.stores.values() if s.ram is not None), default=0)
 
     def check(self) -> list[str]:
         return [p for s in self.stores.values() for p in s.check()]

@@ -43,6 +43,7 @@ import logging
 import mmap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ import numpy as np
 from kvtier.config import CpuTierConfig
 from kvtier.pinned import HostRegion
 from kvtier.policies import NothingToEvict, make_policy
-from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys
+from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys, leading_run
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,15 @@ def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int) -> tuple[Any,
     if not region.pinned and pin_memory != "never":
         log.debug("cpu tier: arena of %d bytes is pageable memory", nbytes)
     return region, region.view, region.pinned
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A slot taken for a chunk being written in place (:meth:`CpuTier.reserve`): ``view`` is
+    the slot's first ``length`` bytes, writable, and seen by no reader until committed."""
+
+    slot: int
+    view: memoryview
 
 
 class CpuTier(BoundedTier):
@@ -177,11 +187,11 @@ class CpuTier(BoundedTier):
     # --- verbs ----------------------------------------------------------------------------------
     def _probe(self, keys: Sequence[bytes]) -> Probe:
         with self._lock:
-            mapping = self._map
-            for i, key in enumerate(keys):
-                if key not in mapping:
-                    return Probe(i, self._absent(key).reason)
-            return Probe(len(keys))
+            # The leading run, counted at C speed (no per-key bytecode).
+            hits = leading_run(self._map.__contains__, keys)
+            if hits < len(keys):
+                return Probe(hits, self._absent(keys[hits]).reason)
+            return Probe(hits)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
         check_keys(keys)
@@ -251,6 +261,26 @@ class CpuTier(BoundedTier):
             with self._lock:
                 self._leave(slot)
 
+    @contextmanager
+    def leased_many(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | Miss]]:
+        """:meth:`leased` for several keys at once, under one lock hold (a server sends the
+        views with one ``sendmsg``): per key a read-only view or a :class:`Miss`, every slot
+        leased until the ``with`` block ends. The same rules as :meth:`leased`; a caller bounds
+        how many slots it holds at once (each is unavailable to ``put`` meanwhile)."""
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            hits = [self._acquire(key) for key in keys]
+        arena, slot_bytes = self._arena, self.slot_bytes
+        try:
+            yield [hit if isinstance(hit, Miss)
+                   else arena[hit[0] * slot_bytes : hit[0] * slot_bytes + hit[1]].toreadonly() for hit in hits]
+        finally:
+            with self._lock:
+                for hit in hits:
+                    if not isinstance(hit, Miss):
+                        self._leave(hit[0])
+
     def put(self, entries: Sequence[Entry]) -> list[bool]:
         check_keys([e.key for e in entries])
         evicted: list[tuple[bytes, bytes]] = []
@@ -291,23 +321,48 @@ class CpuTier(BoundedTier):
 
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
-        length = len(src)
+        res = self._reserve(len(src), evicted, evict=True)
+        if res is None:
+            return False
+        try:
+            res.view[:] = src  # the copy, outside the lock
+        except BaseException:
+            self.abort(res)
+            raise
+        return self._commit(res, e.key, e.depth, e.parent)
+
+    def reserve(self, length: int) -> Reservation | None:
+        """A free slot for a chunk of ``length`` bytes that the caller writes in place
+        (kvtier-server receives a PUT body straight into it: no copy). Never evicts: the
+        bytes are not verified yet, and a chunk refused later must have cost nothing; None
+        when no slot is free or the chunk does not fit one (the caller then verifies first
+        and puts). The slot is invisible to readers until :meth:`commit`; :meth:`abort` gives
+        it back. Either must follow (a reservation left open keeps its slot out of use)."""
+        return self._reserve(length, [], evict=False)
+
+    def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool) -> Reservation | None:
         with self._lock:
             self._check_open()
             if length > self.slot_bytes:
-                return False
-            slot = self._take_slot(evicted, self.evict_listener is not None)
+                return None
+            if evict:
+                slot = self._take_slot(evicted, self.evict_listener is not None)
+            else:
+                slot = self._warm.pop() if self._warm else self._free.pop() if self._free else None
             if slot is None:
-                return False
+                return None
             self._writing.add(slot)
         off = slot * self.slot_bytes
-        try:
-            self._arena[off : off + length] = src  # the copy, outside the lock
-        except BaseException:
-            with self._lock:
-                self._writing.discard(slot)
-                self._free_slot(slot)
-            raise
+        return Reservation(slot, self._arena[off : off + length])
+
+    def commit(self, res: Reservation, key: bytes, depth: int = 0, parent: bytes = b"") -> bool:
+        """Publish the chunk written into ``res`` under ``key`` (replacing what ``key`` held);
+        False (slot freed) when the tier was closed meanwhile."""
+        check_keys([key])
+        return self._commit(res, key, depth, parent)
+
+    def _commit(self, res: Reservation, key: bytes, depth: int, parent: bytes) -> bool:
+        slot, length = res.slot, res.view.nbytes
         with self._lock:
             self._writing.discard(slot)
             if self._closed:
@@ -315,12 +370,18 @@ class CpuTier(BoundedTier):
                 return False
             # Overwrite: the old slot is released (or retired if read) and kept warm, since it
             # just replaced itself with a slot this put took: rewriting keys never faults.
-            self._unmap(e.key, reuse=True)
-            self._map[e.key] = (slot, length)
+            self._unmap(key, reuse=True)
+            self._map[key] = (slot, length)
             self._used += length
-            self._forget_evicted(e.key)
-            self.policy.insert(e.key, length, e.depth, e.parent)
+            self._forget_evicted(key)
+            self.policy.insert(key, length, depth, parent)
         return True
+
+    def abort(self, res: Reservation) -> None:
+        """Give back a reserved slot unpublished (its bytes are never read)."""
+        with self._lock:
+            self._writing.discard(res.slot)
+            self._free_slot(res.slot)  # no reader can hold it: it was never published
 
     def delete(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)

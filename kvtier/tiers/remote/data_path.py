@@ -52,6 +52,7 @@ from kvtier.protocol.socket_io import send_all
 from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss
 from kvtier.tiers.remote.data_conn import DataConn
 from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk
+from kvtier.tiers.remote.heap import retain_freed_blocks
 
 T = TypeVar("T")
 _REQUEST_CODES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -73,6 +74,7 @@ class SocketDataPath:
         self._slots = threading.BoundedSemaphore(connections)
         self._lock = threading.Lock()
         self._closed = False
+        retain_freed_blocks()  # get's fresh chunk bytes reuse freed heap pages (kvtier.tiers.remote.heap)
 
     # --- connections ------------------------------------------------------------------------------
     def connect(self, deadline: float) -> DataConn:

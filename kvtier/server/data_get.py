@@ -1,0 +1,121 @@
+"""A data-path GET's reply: a CHUNK or MISS frame per key, in key order, from a tenant's store.
+
+Where the bytes go: RAM hits are leased (:meth:`TenantStore.leased_ram`) ``lease_keys`` at a
+time and a run of them goes out in one scatter/gather ``sendmsg`` straight from the arena (no
+copy; the slots are not reused until the send returns, at most the socket's idle timeout, so a
+connection keeps at most ``SEND_BATCH_BYTES`` of RAM from reuse); with a shared segment each
+chunk is copied into it and only a reference is sent; anything else is read below RAM through
+the connection's scratch buffer (no allocation) and sent at once, so the client takes chunk i
+while chunk i+1 is read. Threads: one :class:`GetReplier` serves every connection (it keeps
+no per-request state). Failure: socket errors propagate (the connection ends).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+
+from kvtier.protocol.frames import Buffers, encode_chunk, encode_chunk_ref, encode_miss
+from kvtier.protocol.socket_io import send_all
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.storage import TenantStore
+from kvtier.tiers.base import Miss
+
+SEND_BATCH_BYTES = 16 << 20  # RAM hits sent with one sendmsg, at most
+Buffer = bytes | memoryview
+
+
+class GetReplier:
+    def __init__(self, metrics: ServerMetrics, slot_bytes: int) -> None:
+        self.metrics = metrics
+        # Keys leased together for one sendmsg: about SEND_BATCH_BYTES of RAM slots.
+        self.lease_keys = max(1, SEND_BATCH_BYTES // max(1, slot_bytes))
+
+    def send(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
+             shm: memoryview | None) -> None:
+        """Answer one GET: a CHUNK or MISS frame per key, in key order, ``lease_keys`` keys at
+        a time (:meth:`_send_group` says where the bytes come from and go)."""
+        start = time.perf_counter()
+        offset = 0
+        for group in range(0, len(keys), self.lease_keys):
+            offset = self._send_group(conn, store, keys, group, scratch, shm, offset)
+        self.metrics.requests.labels("data.Get", "OK").inc()
+        self.metrics.seconds.labels("data.Get").observe(time.perf_counter() - start)
+
+    def _send_group(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], base: int,
+                    scratch: memoryview, shm: memoryview | None, offset: int) -> int:
+        """Keys ``base`` .. ``base + lease_keys`` of a GET. RAM hits are leased together (one
+        lock hold; the slots are not reused until their bytes are sent, at most the socket's
+        idle timeout) and a run of them goes out in one ``sendmsg`` straight from the arena
+        (no copy); with a shared segment each chunk is copied from the tier into the segment
+        and only a reference is sent (from ``offset``). Anything else is read through this
+        connection's ``scratch`` buffer (no allocation) and sent at once, so the client takes
+        chunk i while chunk i+1 is read. Returns the segment offset after this group."""
+        group = keys[base : base + self.lease_keys]
+        sent = shared = 0
+        parts: Buffers = []
+        with store.leased_ram(group) as views:
+            for j, (key, view) in enumerate(zip(group, views)):
+                i = base + j
+                if shm is not None and offset < shm.nbytes:
+                    if parts:  # frames go out in key order
+                        send_all(conn, parts)
+                        parts = []
+                    n = self._put_in_segment(conn, store, key, view, i, shm, offset)
+                    if n is not None:
+                        offset += (n + 63) & ~63 if n > 0 else 0  # cache-line aligned starts
+                        shared += max(n, 0)
+                        continue
+                if view is not None:  # straight from the arena to the socket, no copy
+                    parts += encode_chunk(i, view)
+                    sent += view.nbytes
+                    continue
+                if parts:
+                    send_all(conn, parts)
+                    parts = []
+                sent += self._send_read(conn, store, key, i, scratch)
+            if parts:
+                send_all(conn, parts)
+        self.metrics.bytes.labels("out", "socket").inc(sent)
+        self.metrics.bytes.labels("out", "shm").inc(shared)
+        return offset
+
+    @staticmethod
+    def _put_in_segment(conn: socket.socket, store: TenantStore, key: bytes, view: memoryview | None, i: int,
+                        shm: memoryview, offset: int) -> int | None:
+        """Chunk ``i`` copied into the segment at ``offset`` and its reference (or its MISS)
+        sent: the chunk's length (-1 for a miss); None when it does not fit what is left."""
+        room = shm[offset:]
+        if view is not None:
+            if view.nbytes > room.nbytes:
+                return None
+            room[: view.nbytes] = view
+            ref: int | Miss = view.nbytes
+        else:
+            try:
+                (ref,) = store.get_into([key], [room])
+            except ValueError:
+                return None  # does not fit what is left of the segment: inline
+        if isinstance(ref, Miss):
+            send_all(conn, encode_miss(i, ref.reason))
+            return -1
+        send_all(conn, encode_chunk_ref(i, offset, ref))
+        return ref
+
+    @staticmethod
+    def _send_read(conn: socket.socket, store: TenantStore, key: bytes, i: int, scratch: memoryview) -> int:
+        """Chunk ``i`` read from below RAM (or a miss) into ``scratch`` and sent; bytes sent."""
+        try:
+            (result,) = store.get_into([key], [scratch])
+        except ValueError:  # larger than the scratch buffer (cannot happen within limits)
+            (value,) = store.get([key])
+            result = value if isinstance(value, Miss) else len(value)
+            body: Buffer = value if not isinstance(value, Miss) else b""
+        else:
+            body = scratch[:result] if not isinstance(result, Miss) else b""
+        if isinstance(result, Miss):
+            send_all(conn, encode_miss(i, result.reason))
+            return 0
+        send_all(conn, encode_chunk(i, body))
+        return result

@@ -1,0 +1,196 @@
+"""What the engines report (``ReportUsage``), kept per replica with bounded memory.
+
+Each report carries one engine component's CUMULATIVE counters (kvtier.usage.wire). Per key
+``(tenant, model, replica, source)`` the aggregator keeps the last counters it saw and the sum of
+the deltas between consecutive reports, so:
+
+- a server restart loses nothing: the first report after it has no previous counters, and its
+  whole cumulative value becomes the delta (the replica's totals come back in one report);
+- a replica restart shows as a counter (or the replica's uptime) going down: the new value is
+  then the delta (what the new process did so far), and ``restarts`` is counted;
+- a time series of prompt and hit tokens per ``bucket_s`` bucket (the last ``buckets``) gives the
+  hit ratio over time. A first report that is not the process's first (``seq`` > 1: this node
+  just started, or just became reachable) goes to the totals only: those tokens were served
+  earlier, and putting them in the current bucket would draw a false spike;
+- a replica with no report for 3 of its own intervals is ``stale`` ("stopped reporting").
+
+Caps (every name comes from outside): ``max_tenants`` and ``max_models`` distinct names, then
+``other``; ``max_replicas`` keys, then a stale key is folded into its ``(tenant, model,
+"other")`` entry to make room, or, when none is stale, the newcomer is counted there (its
+previous counters are kept in a separate LRU of ``max_tracked`` so that its deltas stay right).
+
+The same replica reporting to two nodes is two copies of one key; :mod:`kvtier.server.usage_view`
+merges copies across nodes without adding them. Threads: one lock; every call is short.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.usage.counters import PrefixFigures
+from kvtier.usage.wire import UsageReport
+
+OTHER = "other"
+STALE_INTERVALS = 3
+Key = tuple[str, str, str, str]  # tenant, model, replica, source
+
+
+@dataclass
+class ReplicaState:
+    """One key's figures on this node (mutable, owned by the aggregator's lock)."""
+
+    tenant: str
+    model: str
+    replica: str
+    source: str
+    first_seen: float
+    last_seen: float = 0.0
+    interval_s: float = 5.0
+    uptime_s: float = 0.0
+    reports: int = 0
+    restarts: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+    series: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [prompt, hit]
+    top: tuple[PrefixFigures, ...] = ()
+
+
+def hit_tokens(counters: Mapping[str, float]) -> float:
+    return sum(v for k, v in counters.items() if k.startswith("hit_tokens/"))
+
+
+class UsageAggregator:
+    def __init__(self, *, max_replicas: int = 256, max_models: int = 32, max_tenants: int = 64,
+                 max_tracked: int = 4096, bucket_s: float = 10.0, buckets: int = 90,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_replicas, self.max_models, self.max_tenants = max_replicas, max_models, max_tenants
+        self.max_tracked, self.bucket_s, self.buckets = max_tracked, bucket_s, buckets
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._states: dict[Key, ReplicaState] = {}
+        self._overflow_last: OrderedDict[Key, tuple[float, dict[str, float]]] = OrderedDict()
+        self._models: set[str] = set()
+        self._tenants: set[str] = set()
+        self.reports = 0
+        self.capped = 0  # reports counted under an "other" name
+
+    def apply(self, tenant: str, report: UsageReport) -> None:
+        """Fold one decoded report of ``tenant`` (from its credentials) into the figures."""
+        now = self.clock()
+        with self._lock:
+            self.reports += 1
+            tenant = self._capped_name(self._tenants, tenant, self.max_tenants)
+            model = self._capped_name(self._models, report.model, self.max_models)
+            key: Key = (tenant, model, report.replica, report.source)
+            state = self._states.get(key)
+            if state is None and key[2] != OTHER and not self._make_room():
+                self._apply_overflow(key, report, now)
+                return
+            if state is None:
+                state = self._states[key] = ReplicaState(tenant, model, report.replica, report.source, now)
+            prev_uptime = state.uptime_s if state.reports else None
+            delta, recent = self._delta(state.last if state.reports else None, prev_uptime, report)
+            if state.reports and delta is report.counters:
+                state.restarts += 1
+            state.last = dict(report.counters)
+            state.last_seen, state.interval_s, state.uptime_s = now, report.interval_s, report.uptime_s
+            state.reports += 1
+            state.top = report.top_prefixes
+            self._add(state, delta, recent, now)
+
+    def _delta(self, prev: dict[str, float] | None, prev_uptime: float | None,
+               report: UsageReport) -> tuple[Mapping[str, float], bool]:
+        """(delta, whether it happened within the last interval or two). The delta *is*
+        ``report.counters`` exactly when there was nothing to subtract (first report or restart)."""
+        cur = report.counters
+        young = report.seq <= 1  # the process's first report: all of it happened just now
+        if prev is None:
+            return cur, young
+        restarted = (prev_uptime is not None and report.uptime_s < prev_uptime) or \
+            any(cur.get(k, 0.0) < v for k, v in prev.items())
+        if restarted:
+            return cur, young
+        return {k: v - prev.get(k, 0.0) for k, v in cur.items() if v != prev.get(k, 0.0)}, True
+
+    def _add(self, state: ReplicaState, delta: Mapping[str, float], recent: bool, now: float) -> None:
+        for k, v in delta.items():
+            state.totals[k] = state.totals.get(k, 0.0) + v
+        prompt = delta.get("prompt_tokens", 0.0)
+        if recent and prompt:
+            cell = state.series.setdefault(int(now // self.bucket_s), [0.0, 0.0])
+            cell[0] += prompt
+            cell[1] += hit_tokens(delta)
+            oldest = int(now // self.bucket_s) - self.buckets + 1
+            for b in [b for b in state.series if b < oldest]:
+                del state.series[b]
+
+    def _capped_name(self, seen: set[str], name: str, cap: int) -> str:
+        if name in seen:
+            return name
+        if len(seen) >= cap:
+            self.capped += 1
+            return OTHER
+        seen.add(name)
+        return name
+
+    def _make_room(self) -> bool:
+        """True when one more key fits, folding the longest-silent stale key into its
+        ``other`` entry if that is what it takes."""
+        if sum(1 for k in self._states if k[2] != OTHER) < self.max_replicas:
+            return True
+        now = self.clock()
+        stale = [s for k, s in self._states.items() if k[2] != OTHER and self._is_stale(s, now)]
+        if not stale:
+            return False
+        victim = min(stale, key=lambda s: s.last_seen)
+        del self._states[(victim.tenant, victim.model, victim.replica, victim.source)]
+        other = self._other(victim.tenant, victim.model, now)
+        for k, v in victim.totals.items():
+            other.totals[k] = other.totals.get(k, 0.0) + v
+        for b, (p, h) in victim.series.items():
+            cell = other.series.setdefault(b, [0.0, 0.0])
+            cell[0] += p
+            cell[1] += h
+        return True
+
+    def _other(self, tenant: str, model: str, now: float) -> ReplicaState:
+        key: Key = (tenant, model, OTHER, "*")
+        if key not in self._states:
+            self._states[key] = ReplicaState(tenant, model, OTHER, "*", now, last_seen=now)
+        return self._states[key]
+
+    def _apply_overflow(self, key: Key, report: UsageReport, now: float) -> None:
+        self.capped += 1
+        prev = self._overflow_last.pop(key, None)
+        delta, recent = self._delta(prev[1] if prev else None, prev[0] if prev else None, report)
+        self._overflow_last[key] = (report.uptime_s, dict(report.counters))
+        while len(self._overflow_last) > self.max_tracked:
+            self._overflow_last.popitem(last=False)
+        other = self._other(key[0], key[1], now)
+        other.last_seen = now
+        other.reports += 1
+        self._add(other, delta, recent, now)
+
+    @staticmethod
+    def _is_stale(state: ReplicaState, now: float) -> bool:
+        return state.replica != OTHER and now - state.last_seen > STALE_INTERVALS * state.interval_s
+
+    def document(self) -> dict[str, Any]:
+        """The ``usage`` section of /api/stats: every key's figures (JSON-ready)."""
+        now = self.clock()
+        with self._lock:
+            replicas = [{
+                "tenant": s.tenant, "model": s.model, "replica": s.replica, "source": s.source,
+                "first_seen": s.first_seen, "last_seen": s.last_seen, "age_s": round(now - s.last_seen, 3),
+                "interval_s": s.interval_s, "stale": self._is_stale(s, now), "reports": s.reports,
+                "restarts": s.restarts, "totals": dict(s.totals),
+                "series": [[b, p, h] for b, (p, h) in sorted(s.series.items())],
+                "top_prefixes": [[p.prefix, p.hit_tokens, p.restored_bytes] for p in s.top],
+            } for s in self._states.values()]
+            return {"now": now, "bucket_s": self.bucket_s, "buckets": self.buckets,
+                    "reports": self.reports, "capped": self.capped, "replicas": replicas}
