@@ -12,6 +12,7 @@
 
 Threads: every public method may be called from any thread. ``close`` flushes the queue.
 Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store.
+Listeners (:meth:`TieredStore.listen`) learn which tier took or lost which chunk (KV events).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvtier.codec import Buf
 from kvtier.config import KVTierConfig, StoreConfig
@@ -81,6 +83,25 @@ class LoadIntoResult:
         return dict(Tally(self.sources))
 
 
+class StoreListener(Protocol):
+    """Chunk residency per tier, for whoever publishes it (KV events for prefix-aware routers).
+
+    ``chunks_stored(tier, entries)``: ``tier`` is about to take ``entries`` (a save, the
+    cascade, a promotion). ``chunks_removed(tier, keys)``: ``tier`` refused those ``keys``,
+    evicted them (capacity) or a delete removed them (a delete may name keys the tier did not
+    hold). Announcing a put before it runs keeps the order true when the put evicts a chunk
+    of its own batch; the price: re-putting a chunk the same put evicts (a full tier whose
+    victim is that very key) ends on "removed" although the chunk is held. Calls come from the
+    thread that caused them (the caller's, the writer thread, a loader's), an eviction's with
+    the tier's lock held: a listener must be quick (a bounded queue append), thread-safe, must
+    not keep ``entry.data`` (the caller's buffer) and must never call into the store or a tier.
+    """
+
+    def chunks_stored(self, tier: str, entries: Sequence[Entry]) -> None: ...
+
+    def chunks_removed(self, tier: str, keys: Sequence[bytes]) -> None: ...
+
+
 _STOP = object()
 # (entries, first tier level to write them to, their prefix's keys when known: see bind_prefix)
 _Job = tuple[list[Entry], int, Sequence[bytes] | None]
@@ -104,6 +125,8 @@ class TieredStore:
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
         self._closed = False
+        self._listeners: tuple[StoreListener, ...] = ()
+        self.listener_errors = 0
         for level, tier in enumerate(self.tiers):
             tier.evict_listener = self._make_evict_listener(level)
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-writer", daemon=True)
@@ -224,8 +247,10 @@ class TieredStore:
                 if not served:
                     continue
                 for upper in self.tiers[:level]:
-                    bind_prefix(upper, prefix).put(served)
+                    self._tell_stored(upper.name, served)
+                    ok = bind_prefix(upper, prefix).put(served)
                     self.metrics.promotions.labels(upper.name).inc(len(served))
+                    self._tell_refused(upper.name, served, ok)
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
             with self._hits_lock:
@@ -249,11 +274,13 @@ class TieredStore:
             return 0
         t0 = time.perf_counter()
         top = self.tiers[0]
+        self._tell_stored(top.name, entries)
         ok = bind_prefix(top, prefix).put(entries)
         accepted = sum(ok)
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
+        self._tell_refused(top.name, entries, ok)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
             self._enqueue(list(entries), 1, prefix)
@@ -283,11 +310,13 @@ class TieredStore:
     def _write_down(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         cascade = self.config.write_policy == "write_through"
         for tier in self.tiers[level:]:
+            self._tell_stored(tier.name, entries)
             ok = bind_prefix(tier, prefix).put(entries)
             written = sum(len(e.data) for e, k in zip(entries, ok) if k)
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
                 self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
+            self._tell_refused(tier.name, entries, ok)
             if not cascade:
                 return
 
@@ -296,6 +325,7 @@ class TieredStore:
 
         def on_evict(key: bytes, data: bytes) -> None:
             self.metrics.evictions.labels(name, "capacity").inc()
+            self._tell_removed(name, (key,))
             if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
                 # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
                 self._enqueue([Entry(key, data)], level + 1, None)
@@ -304,7 +334,43 @@ class TieredStore:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys`` from every tier (e.g. a chunk that failed verification)."""
-        return sum(tier.delete(keys) for tier in self.tiers)
+        total = 0
+        for tier in self.tiers:
+            n = tier.delete(keys)
+            if n:
+                self._tell_removed(tier.name, keys)
+            total += n
+        return total
+
+    # --- listeners -------------------------------------------------------------------------
+    def listen(self, listener: StoreListener) -> None:
+        """Tell ``listener`` from now on which tier took or lost which chunk (any thread)."""
+        with self._hits_lock:
+            self._listeners = (*self._listeners, listener)
+
+    # A put is announced before it runs and its refusals after it: an eviction the put itself
+    # causes (possibly of a chunk of the same batch) then reaches listeners after the
+    # announcement of what it evicts, so the last word on every key is the true one.
+    def _tell_stored(self, tier: str, entries: Sequence[Entry]) -> None:
+        for listener in self._listeners:
+            self._guard(listener.chunks_stored, tier, entries)
+
+    def _tell_refused(self, tier: str, entries: Sequence[Entry], ok: Sequence[bool]) -> None:
+        if self._listeners and not all(ok):
+            self._tell_removed(tier, [e.key for e, k in zip(entries, ok) if not k])
+
+    def _tell_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        for listener in self._listeners:
+            self._guard(listener.chunks_removed, tier, keys)
+
+    def _guard(self, call: Callable[[str, Any], None], tier: str, arg: Any) -> None:
+        # A listener is foreign code running inside a tier's put or eviction: whatever it
+        # does wrong must not fail that put (the contract: a store never raises for this).
+        try:
+            call(tier, arg)
+        except Exception:  # noqa: BLE001 - logged and counted, never swallowed silently
+            self.listener_errors += 1
+            log.exception("kvtier: a store listener failed on tier %s", tier)
 
     # --- lifecycle -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -45,7 +45,8 @@ class Replica:
     """Parent-side handle. ``options``: model (path), kvtier (extra config dict or None),
     prefix_caching (bool), max_model_len (int), seed (int), kv_cache_bytes (int: KV cache size),
     load_failure_policy (str), kv_transfer (a whole KVTransferConfig dict, instead of kvtier),
-    faulty_tier (FaultyTier keyword arguments: the store is one such tier; faulty_site/)."""
+    faulty_tier (FaultyTier keyword arguments: the store is one such tier; faulty_site/),
+    kv_events_endpoint (str: publish vLLM's KV events there over ZMQ)."""
 
     def __init__(self, options: dict[str, Any], log_path: str | os.PathLike[str], timeout_s: float = 240) -> None:
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
@@ -131,6 +132,11 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         "disable_log_stats": True}
     if opts.get("kv_cache_bytes"):
         kw["kv_cache_memory_bytes"] = opts["kv_cache_bytes"]  # a small KV cache forces preemption
+    if opts.get("kv_events_endpoint"):  # vLLM's ZMQ KV events (tests/test_kv_events_vllm.py)
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=opts["kv_events_endpoint"])
     if opts.get("kv_transfer") is not None:  # a whole KVTransferConfig (e.g. a MultiConnector)
         kw["kv_transfer_config"] = KVTransferConfig(**opts["kv_transfer"])
     elif opts.get("kvtier") is not None:

@@ -80,6 +80,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 engine_id=str(self._kv_transfer_config.engine_id),
                 dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
                 world_size=pc.tensor_parallel_size * pc.pipeline_parallel_size, kv_events=kv_events,
+                hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
                 model=settings.model_id or str(vllm_config.model_config.model))
 
     @classmethod
@@ -208,4 +209,12 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._sched.request_finished(request)
 
     def take_events(self) -> list[Any]:
+        """Scheduler side: BlockStored/BlockRemoved for kvtier's tiers (events.py); vLLM
+        publishes them with its own GPU events when kv_events_config enables events."""
         return self._sched.take_events() if self._sched is not None else []
+
+    def get_kv_connector_kv_cache_events(self) -> None:
+        """Worker side (vLLM >= 0.32 names it so): kvtier's events travel in the worker
+        metadata to the scheduler, which alone can describe them (it holds the requests' block
+        hashes); returning them here too would publish them twice."""
+        return None

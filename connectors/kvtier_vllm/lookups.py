@@ -47,14 +47,18 @@ def signature_covers(sig: tuple[object, ...], salt: bytes, c0: int, end: int, pa
 class LookupAnswerer:
     def __init__(self, cache_for: Callable[[bytes], PrefixCache], chunk: int, block_size: int,
                  prefetcher: Prefetcher, restore_bufs: Callable[[], RestoreBuffers],
-                 max_partial_probes: int, stats: StatsCollector) -> None:
-        """``restore_bufs`` returns the worker's current buffers (tests swap them)."""
+                 max_partial_probes: int, stats: StatsCollector,
+                 on_lookup: Callable[[str, PrefixCache, np.ndarray, int, int], None] | None = None) -> None:
+        """``restore_bufs`` returns the worker's current buffers (tests swap them).
+        ``on_lookup(req_id, cache, tokens, c0, c1)`` runs before the lookup and its prefetch
+        (KV events bind the request's chunk keys there, before a promotion can report them)."""
         self.cache_for = cache_for
         self.chunk, self.block = chunk, block_size
         self.prefetcher = prefetcher
         self.restore_bufs = restore_bufs
         self.max_partial_probes = max_partial_probes
         self.stats = stats
+        self.on_lookup = on_lookup
 
     def handle(self, header: dict[str, Any], blob: bytes) -> dict[str, Any]:
         if header.get("op") != "lookup":
@@ -66,6 +70,8 @@ class LookupAnswerer:
             raise ValueError(f"lookup: need 0 <= start {start} <= limit {limit} <= {len(tokens)} tokens")
         cache = self.cache_for(salt)
         c, bs = self.chunk, self.block
+        if self.on_lookup is not None:
+            self.on_lookup(str(header["req"]), cache, tokens, start // c, len(tokens) // c)
         hit = cache.lookup(tokens, full_chunks_only=True)
         full = min(hit.tokens, limit) // bs * bs
         tiers = dict(hit.per_tier)

@@ -12,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from .events import EventBatch
+
 
 @dataclass
 class LoadSpec:
@@ -85,16 +87,15 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler feedback of one step (aggregated over TP ranks by vLLM)."""
 
     loads: dict[str, LoadOutcome] = field(default_factory=dict)
-    stored: list[StoredChunks] = field(default_factory=list)
+    events: EventBatch | None = None  # KV events (events.py); only rank 0 reports them
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTierWorkerMeta):
             return self
-        out = KVTierWorkerMeta(dict(self.loads), list(self.stored))
+        out = KVTierWorkerMeta(dict(self.loads), self.events or other.events)
         for req_id, o in other.loads.items():
             mine = out.loads.get(req_id)
             # A prefix is only as good as its worst shard.
             if mine is None or o.ok_end < mine.ok_end:
                 out.loads[req_id] = o
-        out.stored.extend(other.stored)  # only rank 0 reports stored chunks
         return out

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvtier.config import KVTierConfig
 
+from .events import EventTracker
 from .ipc import LookupClient, socket_path
 from .partial import partial_save_ends
 from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadOutcome, LoadSpec, SaveSpec
@@ -76,6 +77,7 @@ class _Req:
 class SchedulerSide:
     def __init__(self, cfg: KVTierConfig, settings: VllmSettings, *, block_size: int,
                  engine_id: str, dp_rank: int, world_size: int, kv_events: bool,
+                 hash_block_size: int | None = None,
                  model: str = "") -> None:
         self.cfg = cfg
         self.settings = settings
@@ -90,8 +92,12 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._pending: set[str] = set()  # requests with a planned load not yet sent
         self._dropped: list[str] = []
-        self._events: list[Any] = []
         self.stats = StatsCollector()
+        # KV events (events.py): chunk descriptions taken while requests are alive.
+        self.events = EventTracker(
+            self.chunk, hash_block_size or block_size, settings.events_tracked_chunks,
+            settings.events_queue_keys, on_drop=lambda n: self.stats.add(kv_events_dropped=n),
+        ) if kv_events else None
         self.usage = SchedulerUsage(cfg, model, engine_id)  # engine usage reports (kvtier.usage)
 
     # --- lookup ---------------------------------------------------------------------------
@@ -131,6 +137,8 @@ class SchedulerSide:
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
         blob = tokens_bytes(req.all_token_ids[:covered])
+        if self.events is not None:  # the worker binds these chunks' keys at this lookup
+            self.events.snapshot(req, start // self.chunk, covered // self.chunk)
         replies: list[dict[str, Any]] = []
         tiers = dict[str, int]()
         t0 = time.perf_counter()
@@ -271,6 +279,8 @@ class SchedulerSide:
             log.debug("kvtier: %s has %d blocks, save needs %d", req.request_id, len(ids), hi)
             return None
         st.saved_upto = end_chunk * c
+        if self.events is not None:
+            self.events.snapshot(req, start_chunk, end_chunk)
         return SaveSpec(req.request_id, st.salt, tokens_bytes(req.all_token_ids[:end_chunk * c]),
                         start_chunk, end_chunk, ids[lo:hi])
 
@@ -325,8 +335,8 @@ class SchedulerSide:
                 # Re-save what vLLM now recomputes (the bad chunk was deleted from the store).
                 st.saved_upto = min(st.saved_upto, o.ok_end // self.chunk * self.chunk)
                 st.hit_tokens -= o.end - o.ok_end
-        if self.kv_events:
-            self._events.extend(_stored_events(wm, self.chunk))
+        if self.events is not None and wm.events is not None:
+            self.events.feed(wm.events)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
@@ -347,7 +357,12 @@ class SchedulerSide:
         return st.async_inflight, params
 
     def take_events(self) -> list[Any]:
-        events, self._events = self._events, []
+        """vLLM's KV events for kvtier's tiers since the last call (events.py)."""
+        if self.events is None:
+            return []
+        events = self.events.take()
+        if events:
+            self.stats.add(kv_events=len(events))
         return events
 
     def get_stats(self) -> KVTierStats | None:
@@ -357,23 +372,6 @@ class SchedulerSide:
         for client in self._clients:
             client.close()
         self.usage.close()
-
-
-def _stored_events(wm: KVTierWorkerMeta, chunk: int) -> list[Any]:
-    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored
-
-    events: list[Any] = []
-    for s in wm.stored:
-        toks = np.frombuffer(s.tokens, dtype="<u4")
-        for i, key in enumerate(s.keys):
-            idx = s.first_chunk + i
-            parent = s.keys[i - 1] if i else (s.parent or None)
-            events.append(BlockStored(
-                block_hashes=[key], parent_block_hash=parent,
-                token_ids=toks[idx * chunk:(idx + 1) * chunk].tolist(), block_size=chunk,
-                lora_id=None, medium=MEDIUM_CPU if s.tier in FAST_TIERS else MEDIUM_STORAGE,
-                lora_name=None))
-    return events
 
 
 def agree_on_hit(replies: list[dict[str, Any]], limit: int, chunk: int) -> tuple[int, int]:

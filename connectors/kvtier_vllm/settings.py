@@ -57,6 +57,11 @@ class VllmSettings:
     partial_probes: int = field(default=16, metadata=_rng(0, 1024))
     socket_dir: str = ""
     metrics_port: int = field(default=0, metadata=_rng(0, 65535))  # 0: no HTTP /metrics
+    # KV events (only when vLLM's kv_events_config enables them; events.py): chunk keys
+    # buffered per step in the worker, events buffered between take_events calls, and chunks
+    # the scheduler keeps descriptions of (token ids, vLLM block hashes: ~1.2 KiB each).
+    events_queue_keys: int = field(default=100_000, metadata=_rng(1, None))
+    events_tracked_chunks: int = field(default=16_384, metadata=_rng(1, None))
 
 
 def load_settings(extra: Mapping[str, Any] | None) -> tuple[KVTierConfig, VllmSettings]:

@@ -40,6 +40,7 @@ from .blocks import PagedLayout, detect_layout, dtype_name, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
+from .events import WorkerEvents
 from .ipc import LookupServer, socket_path
 from .lookups import LookupAnswerer, signature_covers
 from .partial import chunk_tokens_at
@@ -48,7 +49,7 @@ from .protocol import (
     KVTierWorkerMeta,
     LoadOutcome,
     LoadSpec,
-    StoredChunks,
+    SaveSpec,
 )
 from .restorebufs import RestoreBuffers
 from .saver import Saver
@@ -89,7 +90,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._errors: set[int] = set()
         self._outcomes: dict[str, LoadOutcome] = {}
-        self._stored: list[StoredChunks] = []
+        self.events: WorkerEvents | None = None  # KV events (rank 0, when vLLM publishes them)
         self._run: LayerRun | None = None
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
         self._run_slots: list[int] = []
@@ -126,6 +127,10 @@ class WorkerSide:
         self.metrics = Metrics(label_values=self.cfg.metrics_label_values)
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
+        if info.kv_events and info.rank == 0:
+            self.events = WorkerEvents(self.settings.events_queue_keys,
+                                       on_drop=lambda n: self.stats.add(kv_events_dropped=n))
+            self.store.listen(self.events)
         self.copier: Copier = make_copier(first.device)
         # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
         # inherit that mask and steal cycles from the forward pass. Run them on the others.
@@ -136,12 +141,12 @@ class WorkerSide:
         self.pipeline = LayerPipeline(thread_init=pin)
         self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load", initializer=pin)
         self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
-                           self.stats, self.cmetrics,
-                           self._on_stored if info.kv_events and info.rank == 0 else None)
+                           self.stats, self.cmetrics)
         self.use_copier(self.copier)
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.answerer = LookupAnswerer(self.cache_for, self.chunk, info.block_size, self.prefetcher,
-                                       lambda: self.restore_bufs, self.settings.partial_probes, self.stats)
+                                       lambda: self.restore_bufs, self.settings.partial_probes, self.stats,
+                                       on_lookup=self._bind_lookup)
         self.server = LookupServer(path, self.answerer.handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
             from prometheus_client import start_http_server
@@ -222,9 +227,26 @@ class WorkerSide:
                               res.reason if ok_end < spec.end else "", res.seconds, res.nbytes)
         return items, outcome
 
+    def _bind(self, req_id: str, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> None:
+        """Tell the KV events which keys chunks [c0, c1) of ``req_id`` have."""
+        assert self.events is not None
+        keys = cache.keys(tokens[:c1 * self.chunk], full_chunks_only=True)
+        self.events.bind(req_id, c0, keys[c0:c1], keys[c0 - 1] if c0 else b"")
+
+    def _bind_lookup(self, req_id: str, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> None:
+        if self.events is not None:
+            self._bind(req_id, cache, tokens, c0, c1)
+
+    def _bind_saves(self, saves: Sequence[SaveSpec]) -> None:
+        for spec in saves:
+            tokens = np.frombuffer(spec.tokens, dtype="<u4")
+            self._bind(spec.req_id, self.cache_for(spec.salt), tokens, spec.start_chunk, spec.end_chunk)
+
     def start_load(self, meta: KVTierMetadata) -> None:
         if not self.enabled:
             return
+        if self.events is not None and meta.saves:  # keys first: the saver's puts report them
+            self._bind_saves(meta.saves)
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
             if spec.is_async:
@@ -347,12 +369,6 @@ class WorkerSide:
         short = self._finish_sync_run()
         self.capture.end(meta.saves if meta is not None else [], short)
 
-    def _on_stored(self, stored: StoredChunks) -> None:
-        # Saver thread: keep the chunks for the next step's worker metadata (KV events).
-        stored.tier = self.store.tiers[0].name
-        with self._lock:
-            self._stored.append(stored)
-
     # --- step results -------------------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Async loads that completed (vLLM's ``finished_recving``); their failed blocks are
@@ -371,12 +387,11 @@ class WorkerSide:
         return errors
 
     def worker_meta(self) -> KVTierWorkerMeta | None:
-        with self._lock:
-            stored, self._stored = self._stored, []
+        events = self.events.drain() if self.events is not None else None
         loads, self._outcomes = self._outcomes, {}
-        if not loads and not stored:
+        if not loads and events is None:
             return None
-        return KVTierWorkerMeta(loads, stored)
+        return KVTierWorkerMeta(loads, events)
 
     def take_stats(self) -> KVTierStats | None:
         return self.stats.take()

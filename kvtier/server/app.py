@@ -83,6 +83,7 @@ class KVTierServer:
         self.health = health.aio.HealthServicer()
         self.http: HttpSide | None = None
         self.data: Any = None  # kvtier.server.dataplane.DataPlane when the data path is on
+        self.events: Any = None  # kvtier.server.events.EventSink when events_endpoint is set
         self.executor = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="kvtier-io")
         self.ports: dict[str, int] = {}
         self.started = time.monotonic()
@@ -101,6 +102,13 @@ class KVTierServer:
         limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
                         cfg.max_message_bytes)
         tls_ctx = server_ssl_context(cfg)
+        if cfg.events_endpoint:
+            from kvtier.server.events import EventsCollector, EventSink, attach
+
+            self.events = EventSink(cfg.events_endpoint, self.node_id, topic=cfg.events_topic,
+                                    max_queue=cfg.events_max_queue)
+            attach(list(self.storage.stores.values()), self.events)
+            self.metrics.registry.register(EventsCollector(self.events))
         endpoints: list[Endpoint] = []
         if cfg.data_port >= 0:
             from kvtier.server.dataplane import DataPlane
@@ -179,6 +187,8 @@ class KVTierServer:
         self.executor.shutdown(wait=True)
         if self.storage is not None:
             self.storage.close()
+        if self.events is not None:
+            self.events.close()
         if self.cfg.ready_file:
             Path(self.cfg.ready_file).unlink(missing_ok=True)
         log.info("stopped cleanly")

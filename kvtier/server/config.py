@@ -99,6 +99,12 @@ class ServerConfig:
     # Bound of the asynchronous write-through queue to the lower tier; Puts beyond it are
     # acknowledged from the node's tiers and dropped for the lower one (counted).
     lower_queue_bytes: int = field(default=256 * MiB, metadata=value_range(1 * MiB, None, size=True))
+    # KV events for prefix-aware routers (kvtier.server.events; needs the ``events`` extra):
+    # a ZMQ endpoint in vLLM's format, "" = off. ``tcp://*:5557`` binds, ``tcp://host:5557``
+    # connects to a router's bound SUB socket.
+    events_endpoint: str = ""
+    events_topic: str = ""
+    events_max_queue: int = field(default=100_000, metadata=value_range(1, None))
 
     @property
     def tls(self) -> bool:
@@ -120,6 +126,10 @@ class ServerConfig:
                 f"max_message_bytes ({self.max_message_bytes})")
         if self.port < 0:
             raise ConfigError("port: the gRPC listener cannot be disabled")
+        if self.events_endpoint:
+            from kvtier.server.events import check_endpoint
+
+            check_endpoint(self.events_endpoint)
         for peer in self.peers:
             host, sep, port = peer.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

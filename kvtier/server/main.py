@@ -68,6 +68,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "ready_file": ("ready_file", "write JSON with the bound ports here once serving"),
     "log_level": ("log_level", "DEBUG, INFO (default), WARNING or ERROR"),
     "grace": ("grace_s", "seconds in-flight requests get to finish on SIGTERM (default 10)"),
+    "events_endpoint": ("events_endpoint", "publish KV events for routers (vLLM's ZMQ format), e.g. tcp://*:5557"),
 }
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import Tenant
@@ -42,6 +42,9 @@ from kvtier.server.pool import SharedPool
 from kvtier.tiers.base import Entry, Miss, Probe, Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier, Reservation
 from kvtier.tiers.disk import DiskTier
+
+if TYPE_CHECKING:
+    from kvtier.server.events import EventSink
 
 log = logging.getLogger(__name__)
 MIN_TIER_BYTES = 1 << 20  # CpuTierConfig/DiskTierConfig lower bound
@@ -122,6 +125,7 @@ class TenantStore:
         self.traffic = Traffic()
         self.ram_pool = ram_pool
         self.disk_pool = disk_pool
+        self.events: EventSink | None = None  # KV events (kvtier.server.events.attach)
 
     @property
     def quota_bytes(self) -> int:
@@ -232,9 +236,11 @@ class TenantStore:
             assert self.ram is not None
             stored = self._put_ram(entries)
         else:
+            self._announce(self.disk, entries)
             if self.disk_pool is not None:
                 self.disk_pool.make_room(self.tenant.name, sum(_nbytes(e) for e in entries))
             stored = self.disk.put(entries)
+            self._refused(self.disk, entries, stored)
             self._cache([e for e, ok in zip(entries, stored) if ok])
         self.traffic.put(sum(memoryview(e.data).nbytes for e, ok in zip(entries, stored) if ok),
                          stored.count(False))
@@ -258,13 +264,25 @@ class TenantStore:
         """Publish a reserved chunk (already verified by the caller) as ``entry``; counted as
         a put."""
         assert self.ram is not None  # reserve() returned a reservation
+        self._announce(self.ram, [entry])
         ok = self.ram.commit(res, entry.key, entry.depth, entry.parent)
+        self._refused(self.ram, [entry], [ok])
         self.traffic.put(res.view.nbytes if ok else 0, 0 if ok else 1)
         return ok
 
     def abort(self, res: Reservation) -> None:
         assert self.ram is not None
         self.ram.abort(res)
+
+    # KV events (kvtier.server.events): a put is announced before it runs, its refusals after
+    # it, so an eviction the put causes is published after what it evicts (as kvtier.store).
+    def _announce(self, tier: Tier, entries: Sequence[Entry]) -> None:
+        if self.events is not None and entries:
+            self.events.stored(tier.name, entries)
+
+    def _refused(self, tier: Tier, entries: Sequence[Entry], ok: Sequence[bool]) -> None:
+        if self.events is not None and not all(ok):
+            self.events.removed(tier.name, [e.key for e, k in zip(entries, ok) if not k])
 
     def _cache(self, entries: Sequence[Entry]) -> None:
         """Copy chunks the disk holds into RAM (a cache: a refusal loses nothing)."""
@@ -276,19 +294,26 @@ class TenantStore:
         larger one is refused by the tier, so nothing is evicted for it)."""
         ram = self.ram
         assert ram is not None
+        self._announce(ram, entries)
         if self.ram_pool is not None:
             fits = sum(n for n in map(_nbytes, entries) if n <= ram.slot_bytes)
             if fits:
                 self.ram_pool.make_room(self.tenant.name, fits)
-        return ram.put(entries)
+        stored = ram.put(entries)
+        self._refused(ram, entries, stored)
+        return stored
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: whether it was present in any tier."""
         existed = [False] * len(keys)
         for tier in self.tiers:
+            gone = []
             for i, key in enumerate(keys):
                 if tier.delete([key]):
                     existed[i] = True
+                    gone.append(key)
+            if self.events is not None and gone:
+                self.events.removed(tier.name, gone)
         return existed
 
     def usage(self) -> TenantUsage:

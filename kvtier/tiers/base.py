@@ -91,6 +91,12 @@ EvictListener = Callable[[bytes, bytes], None]
 Runs on the thread that caused the eviction, with the tier's lock released or held as the
 tier documents; it must be quick and must not call back into the same tier."""
 
+EvictedKeyListener = Callable[[bytes], None]
+"""Called as ``listener(key)`` for every chunk a bounded tier evicts (capacity, policy or an
+owner's ``shed``), *with the tier's lock held*: it must be quick (a bounded queue append),
+must not raise and must never call into any tier. Unlike :data:`EvictListener` it gets no
+bytes, so a disk tier does not read the evicted file for it (kvtier-server's KV events)."""
+
 
 @runtime_checkable
 class Tier(Protocol):
@@ -186,6 +192,7 @@ class TierBase:
         self._closed = False
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()
         self.evict_listener: EvictListener | None = None
+        self.evicted_key_listener: EvictedKeyListener | None = None
 
     # --- derived verbs -------------------------------------------------------------------
     def probe(self, keys: Sequence[bytes]) -> Probe:
@@ -229,6 +236,8 @@ class TierBase:
             raise RuntimeError(f"tier {self.name!r} is closed")
 
     def _remember_evicted(self, key: bytes) -> None:
+        if self.evicted_key_listener is not None:
+            self.evicted_key_listener(key)
         self._ghosts[key] = None
         if len(self._ghosts) > self._GHOSTS:
             self._ghosts.popitem(last=False)
