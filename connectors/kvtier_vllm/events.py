@@ -99,6 +99,7 @@ class WorkerEvents:
         self._lock = threading.Lock()
         self._batch = EventBatch()
         self._keys = 0
+        self._muted: OrderedDict[bytes, None] = OrderedDict()  # partial chunks (bounded, LRU)
 
     # --- StoreListener -------------------------------------------------------------------------
     def chunks_stored(self, tier: str, entries: Sequence[Entry]) -> None:
@@ -107,8 +108,21 @@ class WorkerEvents:
     def chunks_removed(self, tier: str, keys: Sequence[bytes]) -> None:
         self._add(False, tier, list(keys))
 
+    def mute(self, key: bytes) -> None:
+        """Never announce ``key``: a partial chunk (partial.py) covers fewer blocks than a chunk
+        and no snapshot describes it; vLLM's own events already name those blocks."""
+        with self._lock:
+            self._muted[key] = None
+            self._muted.move_to_end(key)
+            while len(self._muted) > self._max:
+                self._muted.popitem(last=False)
+
     def _add(self, stored: bool, tier: str, keys: list[bytes]) -> None:
         with self._lock:
+            if self._muted:
+                keys = [k for k in keys if k not in self._muted]
+                if not keys:
+                    return
             if self._keys + len(keys) > self._max:
                 self._batch.dropped += len(keys)
                 dropped = len(keys)

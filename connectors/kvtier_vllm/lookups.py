@@ -48,17 +48,19 @@ class LookupAnswerer:
     def __init__(self, cache_for: Callable[[bytes], PrefixCache], chunk: int, block_size: int,
                  prefetcher: Prefetcher, restore_bufs: Callable[[], RestoreBuffers],
                  max_partial_probes: int, stats: StatsCollector,
-                 on_lookup: Callable[[str, PrefixCache, np.ndarray, int, int], None] | None = None) -> None:
+                 on_lookup: Callable[[str, PrefixCache, np.ndarray, int, int], None] | None = None,
+                 on_partial: Callable[[PrefixCache, np.ndarray, int], None] | None = None) -> None:
         """``restore_bufs`` returns the worker's current buffers (tests swap them).
         ``on_lookup(req_id, cache, tokens, c0, c1)`` runs before the lookup and its prefetch
-        (KV events bind the request's chunk keys there, before a promotion can report them)."""
+        (KV events bind the request's chunk keys there, before a promotion can report them);
+        ``on_partial(cache, tokens, end)`` before a found partial chunk is prefetched."""
         self.cache_for = cache_for
         self.chunk, self.block = chunk, block_size
         self.prefetcher = prefetcher
         self.restore_bufs = restore_bufs
         self.max_partial_probes = max_partial_probes
         self.stats = stats
-        self.on_lookup = on_lookup
+        self.on_lookup, self.on_partial = on_lookup, on_partial
 
     def handle(self, header: dict[str, Any], blob: bytes) -> dict[str, Any]:
         if header.get("op") != "lookup":
@@ -80,6 +82,8 @@ class LookupAnswerer:
             found = probe_partial(cache, tokens, hit.tokens, limit, bs, self.max_partial_probes)
             if found.end:
                 partial = found.end
+                if self.on_partial is not None:
+                    self.on_partial(cache, tokens, partial)
                 tiers[found.tier] = tiers.get(found.tier, 0) + 1
                 self.stats.add(partial_hit_tokens=found.end - hit.tokens)
         usable = max(full, partial)

@@ -43,7 +43,7 @@ from .devcopier import make_copier
 from .events import WorkerEvents
 from .ipc import LookupServer, socket_path
 from .lookups import LookupAnswerer, signature_covers
-from .partial import chunk_tokens_at
+from .partial import chunk_tokens_at, partial_key
 from .protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -146,7 +146,7 @@ class WorkerSide:
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.answerer = LookupAnswerer(self.cache_for, self.chunk, info.block_size, self.prefetcher,
                                        lambda: self.restore_bufs, self.settings.partial_probes, self.stats,
-                                       on_lookup=self._bind_lookup)
+                                       on_lookup=self._bind_lookup, on_partial=self._mute_partial)
         self.server = LookupServer(path, self.answerer.handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
             from prometheus_client import start_http_server
@@ -237,9 +237,16 @@ class WorkerSide:
         if self.events is not None:
             self._bind(req_id, cache, tokens, c0, c1)
 
+    def _mute_partial(self, cache: PrefixCache, tokens: np.ndarray, end: int) -> None:
+        if self.events is not None:
+            self.events.mute(partial_key(cache, tokens, end))
+
     def _bind_saves(self, saves: Sequence[SaveSpec]) -> None:
         for spec in saves:
             tokens = np.frombuffer(spec.tokens, dtype="<u4")
+            if spec.partial:
+                self._mute_partial(self.cache_for(spec.salt), tokens, len(tokens))
+                continue
             self._bind(spec.req_id, self.cache_for(spec.salt), tokens, spec.start_chunk, spec.end_chunk)
 
     def start_load(self, meta: KVTierMetadata) -> None:
