@@ -165,7 +165,12 @@ def main() -> None:
     ap.add_argument("--layout", default="page_first")
     ap.add_argument("--tiers", default="cpu,disk,kvtier-server")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: the file backend's page copies are torch "
+                         "ops, and a thread pool spinning on a small shared host inflates its time; "
+                         "kvtier's copies are single-threaded numpy either way)")
     args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
     if args.quick:
         args.repeats, args.pages, args.layers, args.heads = 5, 32, 8, 4
     work = Path(tempfile.mkdtemp(prefix="kvtier-e2e-sglang-"))
@@ -201,7 +206,7 @@ def main() -> None:
         if node is not None:
             node.stop()
     results = {("file" if be.name == "file" else be.name): be.res for be in backends}
-    out: dict[str, Any] = {"pages": args.pages, "page_tokens": args.page, "page_mib": page_mib,
+    out: dict[str, Any] = {"torch_threads": args.torch_threads, "pages": args.pages, "page_tokens": args.page, "page_mib": page_mib,
                            "repeats": args.repeats, "layout": args.layout,
                            "read_vs_file_backend": {}, "write_vs_file_backend": {},
                            "read_vs_file_backend_cpu": {}, "write_vs_file_backend_cpu": {}}

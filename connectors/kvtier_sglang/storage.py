@@ -17,8 +17,9 @@ Contract (what SGLang relies on):
   A page that fails verification (checksum, namespace, key, shape) is refused, deleted and
   reported ``False``; it is never copied into the host pool.
 - Pages are copied between the host pool's buffer and the store in kvtier's canonical chunk
-  order (pages.py), through reusable page-aligned chunk buffers of the calling thread
-  (buffers.py): a read lands in them (``load_verified_into``: O_DIRECT in place on disk), is
+  order (pages.py). A page the in-process cpu tier holds is verified in the arena and copied
+  straight into the pool (leased.py). Other reads and all writes go through reusable
+  page-aligned chunk buffers of the calling thread (buffers.py): a read lands in them (``load_verified_into``: O_DIRECT in place on disk), is
   verified there and copied into the pool once; a raw-codec write copies the page into one and
   frames the chunk around it. No allocation per page on either path.
 
@@ -50,6 +51,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 
 from .buffers import ThreadBuffers
+from .leased import leasing_tier, read_leased
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
 from .settings import load_settings
@@ -156,6 +158,12 @@ class KVTierStorage(HiCacheStorage):
             xkeys = store_keys(self.namespace, keys)
             bufs = self._thread_buffers()
             pos = 0
+            tier = leasing_tier(cache)
+            if tier is not None:
+                # Pages the in-process cpu tier holds: verified in place, one copy (leased.py).
+                pos = read_leased(cache, tier, xkeys, geo.page_tokens,
+                                  lambda i: as_bytes(page_view(geo, buffer, slots[i])))
+                out[:pos] = [True] * pos
             while pos < len(keys):
                 # Read a batch into this thread's buffers, verified there; then one strided copy
                 # per page into the pool. A missing or refused page ends the leading run.
