@@ -181,16 +181,20 @@ def main() -> None:
     page_mib = 2 * args.layers * args.page * args.heads * args.head_dim * 2 / 2**20
     print(f"{args.pages} pages x {page_mib:.2f} MiB ({args.layout}, bf16), {args.repeats} repeats", flush=True)
     node = None
+    # Room for every repeat's pages (each repeat stores new ones) and no more: all backends are
+    # alive at once, on a machine other jobs share.
+    slot = -(-(int(page_mib * 2**20) + 4096) // 4096) * 4096    # one page chunk (header + page)
+    room = str(slot * args.pages * (args.repeats + 2) + (64 << 20))
     backends = [Backend("file", "file", None, args, [])]
     try:
         for tier in args.tiers.split(","):
             pids: list[int] = []
             if tier == "cpu":
-                extra = {"cpu": {"capacity_bytes": "4GiB"}}
+                extra = {"cpu": {"capacity_bytes": room, "slot_bytes": slot}}
             elif tier == "disk":
                 extra = {"cpu": {"enabled": False}, "disk": {"enabled": True, "path": str(work / "disk")}}
             elif tier == "kvtier-server":
-                node = start_server(work / "node", "--cpu-bytes", "4GiB", "--slot-bytes", "8MiB")
+                node = start_server(work / "node", "--cpu-bytes", room, "--slot-bytes", str(slot))
                 extra = {"cpu": {"enabled": False}, "grpc": {"enabled": True, "nodes": [node.address]}}
                 pids = [node.proc.pid]
             else:
