@@ -41,7 +41,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -289,9 +289,29 @@ class CpuTier(BoundedTier):
             for key, value in evicted:
                 listener(key, value)
 
+    def put_in_place(self, key: bytes, length: int, fill: Callable[[memoryview], None],
+                     depth: int = 0, parent: bytes = b"") -> bool:
+        """Store a ``length``-byte chunk that ``fill(view)`` writes straight into its arena slot
+        (a writable view of exactly ``length`` bytes): the put without the copy from a caller's
+        buffer, for callers that would only build the chunk to have it copied here. False when
+        the chunk cannot fit a slot (as ``put``). ``fill`` runs outside the tier lock; if it
+        raises, the slot is freed, nothing is stored and the exception propagates."""
+        check_keys([key])
+        evicted: list[tuple[bytes, bytes]] = []
+        ok = self._put(key, length, fill, depth, parent, evicted)
+        self._notify(evicted)
+        return ok
+
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
-        length = len(src)
+
+        def copy(dst: memoryview) -> None:
+            dst[:] = src
+
+        return self._put(e.key, len(src), copy, e.depth, e.parent, evicted)
+
+    def _put(self, key: bytes, length: int, fill: Callable[[memoryview], None], depth: int,
+             parent: bytes, evicted: list[tuple[bytes, bytes]]) -> bool:
         with self._lock:
             self._check_open()
             if length > self.slot_bytes:
@@ -302,7 +322,7 @@ class CpuTier(BoundedTier):
             self._writing.add(slot)
         off = slot * self.slot_bytes
         try:
-            self._arena[off : off + length] = src  # the copy, outside the lock
+            fill(self._arena[off : off + length])  # the copy, outside the lock
         except BaseException:
             with self._lock:
                 self._writing.discard(slot)
@@ -315,11 +335,11 @@ class CpuTier(BoundedTier):
                 return False
             # Overwrite: the old slot is released (or retired if read) and kept warm, since it
             # just replaced itself with a slot this put took: rewriting keys never faults.
-            self._unmap(e.key, reuse=True)
-            self._map[e.key] = (slot, length)
+            self._unmap(key, reuse=True)
+            self._map[key] = (slot, length)
             self._used += length
-            self._forget_evicted(e.key)
-            self.policy.insert(e.key, length, e.depth, e.parent)
+            self._forget_evicted(key)
+            self.policy.insert(key, length, depth, parent)
         return True
 
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -326,7 +326,7 @@ def test_requests_larger_than_a_buffer_batch_stream_through_reused_buffers(tmp_p
 
 
 def test_cpu_tier_pages_restore_in_place_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
-    """Pages the cpu tier holds are verified in its arena and copied once (leased.py); a page
+    """Pages the cpu tier holds are verified in its arena and copied once (arena.py); a page
     only a lower tier holds is read through the store; a corrupt arena chunk never lands."""
     from kvtier.chunk import HEADER_SIZE
 
