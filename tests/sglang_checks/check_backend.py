@@ -299,13 +299,15 @@ def test_bad_config_fails_the_attach_with_a_named_field() -> None:
         StorageBackendFactory.create_backend("dynamic", cfg, host)
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
+@pytest.mark.parametrize("tiers", ["disk", "cpu+disk"])
 def test_requests_larger_than_a_buffer_batch_stream_through_reused_buffers(tmp_path: Path, tiers: str) -> None:
     """A request spanning several of the thread's buffer batches restores every page exactly
-    (cpu only: reused write buffers; cpu+disk write-through: fresh ones the queue keeps), and a
-    page missing in a later batch ends the run there."""
+    (disk only: reused write buffers; cpu+disk write-through: fresh ones the queue keeps), and a
+    page missing in a later batch ends the run there. (A cpu tier alone moves pages in place:
+    test_cpu_tier_pages_restore_in_place_and_a_corrupt_one_is_refused.)"""
     _, host = mha_pools("page_head")
-    extra = {} if tiers == "cpu" else {"disk": {"enabled": True, "path": str(tmp_path)}}
+    disk = {"disk": {"enabled": True, "path": str(tmp_path)}}
+    extra = {"cpu": {"enabled": False}, **disk} if tiers == "disk" else disk
     be = make(host, "page_head", extra)
     assert be._bufs is not None and be._store is not None
     be._bufs.per_batch = 3  # batches of 3 pages: 10 pages cross three batch boundaries
