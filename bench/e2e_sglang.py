@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -262,6 +263,7 @@ def main() -> None:
             out[f"{verb}_vs_file_backend{clock}"][name] = vars(Stats.of(ratios))
             print(f"{name:20s} {verb} vs file{' (per CPU-s)' if clock else ''}: {fmt(ratios, 'x')}")
     dist.destroy_process_group()
+    shutil.rmtree(work, ignore_errors=True)  # hundreds of MB of pages per run
     print(json.dumps(out))
 
 
