@@ -5,6 +5,11 @@ back, and refuses any chunk whose namespace, key, dtype, shape or checksum is no
 this engine would compute (a wrong chunk is a wrong answer). Payload layout of a chunk:
 ``(layers, kv, tokens, kv_heads, head_dim)``, C-contiguous, in ``spec.kv_dtype``.
 
+Key schemas (docs/keys.md): ``v1`` chains tokens per chunk (a trailing partial chunk is keyed
+too); ``x1`` keys each full chunk by the engine-neutral page chain SGLang computes
+(``kvtier.keys.xengine_keys``; a chunk is one page, a partial page is never keyed), so chunks
+written by one engine's connector are found by another's.
+
 Engine-agnostic: payloads are bytes-like (numpy/torch conversion happens in connectors).
 Threads: safe to call from any thread (the store is); ``save`` may run on an engine thread
 since the store never blocks on lower tiers.
@@ -24,7 +29,7 @@ from kvtier.chunk import HEADER_SIZE, Shape, decode_chunk, dtype_itemsize, encod
 from kvtier.codec import Buf, Codec
 from kvtier.config import KVTierConfig
 from kvtier.errors import ChunkError, ConfigError
-from kvtier.keys import NamespaceSpec, chunk_keys, chunk_spans
+from kvtier.keys import KEY_BYTES, NamespaceSpec, chunk_keys, chunk_spans, xengine_keys
 from kvtier.metrics import Metrics
 from kvtier.store import TieredStore
 from kvtier.tiers.base import ABSENT, Entry
@@ -32,6 +37,7 @@ from kvtier.tiers.base import ABSENT, Entry
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray
+KEY_SCHEMAS = ("v1", "x1")
 
 
 @dataclass(frozen=True)
@@ -67,9 +73,23 @@ class VerifiedRun:
 
 class PrefixCache:
     def __init__(self, store: TieredStore, spec: NamespaceSpec, *, codec: str | Codec = "raw",
-                 shuffle: bool = False, tenant: str = "") -> None:
+                 shuffle: bool = False, tenant: str = "", key_schema: str = "v1",
+                 page_seed: bytes | None = None) -> None:
+        """``key_schema``: ``v1`` or ``x1`` (module docstring). ``page_seed`` (x1 only): the
+        request's page-chain seed, ``kvtier.keys.page_hash_seed(extra_key, cache_salt)``;
+        None is the shared chain. ConfigError for an unknown schema, x1 with a non-SHA-256
+        namespace (SGLang's namespace is SHA-256) or a seed without x1."""
+        if key_schema not in KEY_SCHEMAS:
+            raise ConfigError(f"key_schema: {key_schema!r} is not one of {KEY_SCHEMAS}")
+        if key_schema == "x1" and spec.hash_name != "sha256":
+            raise ConfigError(f"hash: key_schema x1 needs a sha256 namespace, got {spec.hash_name!r}")
+        if page_seed is not None and (key_schema != "x1" or len(page_seed) != KEY_BYTES):
+            raise ConfigError(f"page_seed: a {KEY_BYTES}-byte seed of the x1 page chain "
+                              f"(key_schema {key_schema!r}, {len(page_seed)} bytes given)")
         self.store = store
         self.spec = spec
+        self.key_schema = key_schema
+        self.page_seed = page_seed
         self.namespace = spec.namespace_id()
         self.codec = Codec.parse(codec)
         self.shuffle = shuffle
@@ -85,20 +105,28 @@ class PrefixCache:
         if cfg.salt and not spec.salt:
             spec = dataclasses.replace(spec, salt=cfg.salt)
         return cls(TieredStore.from_config(cfg, metrics), spec, codec=cfg.codec,
-                   shuffle=cfg.shuffle, tenant=cfg.tenant)
+                   shuffle=cfg.shuffle, tenant=cfg.tenant, key_schema=cfg.key_schema)
 
     @property
     def chunk_tokens(self) -> int:
         return self.spec.layout.chunk_tokens
 
     def keys(self, tokens: Tokens, *, full_chunks_only: bool = False) -> list[bytes]:
+        """Chunk keys of ``tokens`` under this cache's schema (x1: full chunks only, always)."""
+        if self.key_schema == "x1":
+            return xengine_keys(self.namespace, tokens, self.chunk_tokens, self.page_seed)
         return chunk_keys(self.namespace, tokens, self.chunk_tokens, self.spec.hash_name,
                           include_partial=not full_chunks_only)
+
+    def spans(self, num_tokens: int, *, full_chunks_only: bool = False) -> list[tuple[int, int]]:
+        """[start, end) token span of each key :meth:`keys` returns for ``num_tokens`` tokens."""
+        partial = not full_chunks_only and self.key_schema == "v1"
+        return chunk_spans(num_tokens, self.chunk_tokens, include_partial=partial)
 
     def lookup(self, tokens: Tokens, *, full_chunks_only: bool = False) -> PrefixHit:
         keys = self.keys(tokens, full_chunks_only=full_chunks_only)
         res = self.store.lookup(keys, prefix=keys)
-        spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
+        spans = self.spans(len(tokens), full_chunks_only=full_chunks_only)
         hit_tokens = spans[res.hits - 1][1] if res.hits else 0
         self._count(res.runs, spans, hit_tokens, len(tokens), res.reason)
         return PrefixHit(hit_tokens, res.hits, res.per_tier, res.reason)
@@ -107,7 +135,7 @@ class PrefixCache:
              full_chunks_only: bool = False) -> LoadedPrefix:
         """Load and verify the leading cached chunks (at most ``max_tokens`` tokens' worth)."""
         keys = self.keys(tokens, full_chunks_only=full_chunks_only)
-        spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
+        spans = self.spans(len(tokens), full_chunks_only=full_chunks_only)
         if max_tokens is not None:
             n = sum(1 for _, end in spans if end <= max_tokens)
             keys, spans = keys[:n], spans[:n]
@@ -167,7 +195,7 @@ class PrefixCache:
         chunk layout; it is called only for chunks that are missing. Returns #chunks stored.
         """
         keys = self.keys(tokens, full_chunks_only=full_chunks_only)
-        spans = chunk_spans(len(tokens), self.chunk_tokens, include_partial=not full_chunks_only)
+        spans = self.spans(len(tokens), full_chunks_only=full_chunks_only)
         first = max(start_chunk, self.store.lookup(keys, prefix=keys).hits)
         entries: list[Entry] = []
         for i in range(first, len(keys)):

@@ -163,6 +163,9 @@ class UsageConfig:
 class KVTierConfig:
     chunk_tokens: int = field(default=256, metadata=value_range(1, 1 << 20))
     hash: str = field(default="sha256", metadata=one_of("sha256", "xxh3_128", "blake3"))
+    # v1: kvtier's token chain per chunk; x1: the cross-engine page chain SGLang computes
+    # (docs/keys.md "Key schemas"), so vLLM, transformers and SGLang share chunks.
+    key_schema: str = field(default="v1", metadata=one_of("v1", "x1"))
     codec: str = field(default="raw", metadata=one_of("raw", "lz4", "zstd"))
     shuffle: bool = False
     tenant: str = ""
@@ -182,6 +185,10 @@ class KVTierConfig:
             bytes.fromhex(self.salt_hex)
         except ValueError:
             raise ConfigError(f"salt_hex: {self.salt_hex!r} is not a hex string") from None
+        if self.key_schema == "x1" and self.hash != "sha256":
+            raise ConfigError(f"hash: key_schema x1 keys pages by SGLang's SHA-256 page chain inside a "
+                              f"SHA-256 namespace; hash {self.hash!r} would name another namespace "
+                              f"(use hash sha256 with x1)")
 
     @property
     def salt(self) -> bytes:

@@ -14,6 +14,7 @@ from kvtier.config import KVTierConfig
 HELP = {
     "chunk_tokens": "tokens per cached chunk (a multiple of the engine's block size)",
     "hash": "chain hash; xxh3_128/blake3 only for single-tenant, trusted deployments",
+    "key_schema": "v1: token chain per chunk; x1: SGLang's page chain, one chunk per page, shared by vLLM, transformers and SGLang (docs/keys.md)",
     "codec": "payload codec of stored chunks",
     "shuffle": "byte-shuffle fp16/bf16 payloads before compression",
     "tenant": "tenant label on metrics",

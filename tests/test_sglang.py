@@ -20,19 +20,30 @@ VENV = Path(os.environ.get("KVTIER_SGLANG_VENV", "/work/venvs/sglang"))
 PYTHON = VENV / "bin" / "python"
 
 
-def run_checks(*modules: str, timeout: float = 900) -> None:
+def require_venv() -> None:
+    """Skip without the venv, except in CI (``CI=true``), where that fails."""
     if not PYTHON.exists():
         msg = f"SGLang venv absent ({PYTHON}); scripts/test.sh creates it"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg + " (CI must run the SGLang checks)")
         pytest.skip(msg)
+
+
+def venv_env() -> dict[str, str]:
+    """The environment a venv process needs: kvtier, the connectors, the torchvision stub and the
+    check helpers on its path; SGLang's fault injection off unless a check turns it on."""
     paths = [ROOT, ROOT / "connectors", ROOT / "tests" / "stubs", ROOT / "tests", ROOT / "tests" / "sglang_checks"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
     env.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
     env.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
+    return env
+
+
+def run_checks(*modules: str, timeout: float = 900) -> None:
+    require_venv()
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
            *(f"tests/sglang_checks/{m}" for m in modules)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=venv_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} -> rc {proc.returncode}\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
 
 

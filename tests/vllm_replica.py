@@ -7,6 +7,8 @@ two independent engines. Protocol: one JSON command per line in, one JSON reply 
 
     {"op": "generate", "prompts": [{"tokens": [...], "cache_salt": "t1"?}], "max_tokens": 8}
     {"op": "reset_prefix_cache"}          {"op": "exit"}
+    {"op": "dump_kv", "path": "/tmp/kv.pt"}   (options "kv_dump": true: every worker's paged KV
+                                           tensors, torch.save'd as a list in layer order)
 
 ``generate`` replies ``{"outputs": [{"token_ids", "logprobs", "num_cached_tokens",
 "kvtier", "ttft_s"}]}``; ``logprobs[i]`` is the log-probability of ``token_ids[i]``.
@@ -132,6 +134,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         "disable_log_stats": True}
     if opts.get("kv_cache_bytes"):
         kw["kv_cache_memory_bytes"] = opts["kv_cache_bytes"]  # a small KV cache forces preemption
+    if opts.get("kv_dump"):
+        kw["worker_extension_cls"] = "tests.vllm_replica.KVCacheDump"
     if opts.get("kv_events_endpoint"):  # vLLM's ZMQ KV events (tests/test_kv_events_vllm.py)
         from vllm.config import KVEventsConfig
 
@@ -145,6 +149,20 @@ def _make_llm(opts: dict[str, Any]) -> Any:
             kv_load_failure_policy=opts.get("load_failure_policy", "recompute"),
             kv_connector_extra_config=opts["kvtier"])
     return LLM(**kw)
+
+
+class KVCacheDump:
+    """Worker extension (vLLM's ``worker_extension_cls``): what the engine's own paged KV
+    tensors hold, for tests that compare restored bytes with them, independently of kvtier."""
+
+    model_runner: Any
+
+    def kvtier_dump_kv_cache(self, path: str) -> list[list[int]]:
+        import torch
+
+        caches = [t.detach().cpu().clone() for t in self.model_runner.kv_caches]
+        torch.save(caches, path)
+        return [list(t.shape) for t in caches]
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -191,6 +209,8 @@ def main() -> None:
         try:
             if cmd["op"] == "generate":
                 _emit(_generate(llm, cmd))
+            elif cmd["op"] == "dump_kv":
+                _emit({"shapes": llm.collective_rpc("kvtier_dump_kv_cache", args=(cmd["path"],))})
             elif cmd["op"] == "reset_prefix_cache":
                 _emit({"ok": bool(llm.reset_prefix_cache())})
             elif cmd["op"] == "exit":

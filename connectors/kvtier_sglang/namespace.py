@@ -2,7 +2,10 @@
 
 The namespace (kvtier/keys.py) hashes model id and revision, KV dtype, the canonical page
 shape (layers, kv, heads, head_dim, page tokens), the parallel rank/size and the configured
-salt. Not in it: the host layout, because pages are stored in canonical order (pages.py), so
+salt. SGLang's keys are always the x1 page chain (the backend never sees tokens); with
+``key_schema: x1`` in the config (one config shared by every engine) ``chunk_tokens`` must
+equal SGLang's page size, else ConfigError; with the default ``v1`` it does not apply.
+Not in it: the host layout, because pages are stored in canonical order (pages.py), so
 instances with different ``--hicache-mem-layout`` (and other engines) share pages.
 
 Ranks: an MHA page on TP rank r holds only r's heads, so rank = ``pp_rank * tp_size +
@@ -61,6 +64,11 @@ def namespace_spec(storage_config: Any, geo: PageGeometry, cfg: KVTierConfig,
     if dtype is None:
         raise ConfigError(f"host pool dtype {geo.dtype} has no kvtier KV dtype; "
                           f"supported: {sorted(TORCH_TO_KV_DTYPE.values())}")
+    if cfg.key_schema == "x1" and cfg.chunk_tokens != geo.page_tokens:
+        raise ConfigError(f"chunk_tokens: {cfg.chunk_tokens} with key_schema x1 is the page size "
+                          f"every engine sharing the cache keys by, but this SGLang instance has "
+                          f"--page-size {geo.page_tokens}; run SGLang with --page-size "
+                          f"{cfg.chunk_tokens} or set chunk_tokens to {geo.page_tokens} everywhere")
     pp_rank, pp_size = int(storage_config.pp_rank), int(storage_config.pp_size)
     if geo.is_mla:
         rank, world = pp_rank, pp_size

@@ -17,8 +17,10 @@ Contract (what SGLang relies on):
   A page that fails verification (checksum, namespace, key, shape) is refused, deleted and
   reported ``False``; it is never copied into the host pool.
 - Pages are copied between the host pool's buffer and the store in kvtier's canonical chunk
-  order (pages.py), through reusable page-aligned chunk buffers of the calling thread
-  (buffers.py): a read lands in them (``load_verified_into``: O_DIRECT in place on disk), is
+  order (pages.py). With an in-process cpu tier, pages move straight between the pool and its
+  arena (arena.py: a read verified in the arena, a single-tier write framed in its slot, one
+  copy each). Other reads and writes go through reusable
+  page-aligned chunk buffers of the calling thread (buffers.py): a read lands in them (``load_verified_into``: O_DIRECT in place on disk), is
   verified there and copied into the pool once; a raw-codec write copies the page into one and
   frames the chunk around it. No allocation per page on either path.
 
@@ -49,6 +51,7 @@ from kvtier.errors import KVTierError
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 
+from .arena import leasing_tier, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
@@ -156,6 +159,12 @@ class KVTierStorage(HiCacheStorage):
             xkeys = store_keys(self.namespace, keys)
             bufs = self._thread_buffers()
             pos = 0
+            tier = leasing_tier(cache)
+            if tier is not None:
+                # Pages the in-process cpu tier holds: verified in place, one copy (arena.py).
+                pos = read_leased(cache, tier, xkeys, geo.page_tokens,
+                                  lambda i: as_bytes(page_view(geo, buffer, slots[i])))
+                out[:pos] = [True] * pos
             while pos < len(keys):
                 # Read a batch into this thread's buffers, verified there; then one strided copy
                 # per page into the pool. A missing or refused page ends the leading run.
@@ -216,6 +225,15 @@ class KVTierStorage(HiCacheStorage):
         the store takes over. Other codecs compress from a reused canonical scratch page."""
         if not views:
             return 0
+        tier = writable_tier(cache)
+        if tier is not None:
+            # A single in-process cpu tier: each page is copied into its arena slot and framed
+            # there (arena.py), no chunk buffer in between.
+            keys = xkeys[first:first + len(views)]
+            n = write_in_place(cache, tier, keys, geo.page_tokens, lambda j: as_bytes(views[j]),
+                               depth0 + first, xkeys[first - 1] if first else parent0)
+            self._track(keys[:n])
+            return n
         store = cache.store
         raw = cache.codec == Codec.RAW and not cache.shuffle
         reuse = raw and not (len(store.tiers) > 1 and store.config.write_policy == "write_through")

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvtier.config import KVTierConfig, from_dict
 from kvtier.errors import ConfigError
-from kvtier.keys import tenant_salt
+from kvtier.keys import page_hash_seed, tenant_salt
 
 GiB = 1 << 30
 
@@ -77,6 +77,9 @@ def load_settings(extra: Mapping[str, Any] | None) -> tuple[KVTierConfig, VllmSe
 
 
 def check_block_size(cfg: KVTierConfig, block_size: int) -> None:
+    """A chunk is whole blocks. With ``key_schema: x1`` a chunk is also one SGLang page, so the
+    SGLang instances sharing the cache run ``--page-size`` = ``chunk_tokens`` (their backend
+    refuses any other page size with a ConfigError, kvtier_sglang.namespace)."""
     if cfg.chunk_tokens % block_size:
         raise ConfigError(
             f"chunk_tokens: {cfg.chunk_tokens} is not a multiple of vLLM's block size "
@@ -89,8 +92,14 @@ def namespace_salt(cfg: KVTierConfig, cache_salt: str | None) -> bytes:
     tenant = the request's ``cache_salt`` or ``cfg.tenant``. With ``salt_hex`` configured it is a
     server secret: salt = HMAC-SHA256(secret, tenant) (or the secret itself for no tenant);
     without it the salt is the tenant's UTF-8 bytes (empty: the shared namespace).
+    With ``key_schema: x1`` the namespace salt is ``salt_hex`` alone and the tenant seeds the
+    page chain instead, as SGLang seeds it with a request's ``cache_salt``: the value returned is
+    that seed (``kvtier.keys.page_hash_seed(None, tenant)``; empty: the shared chain), so a vLLM
+    and an SGLang request with the same ``cache_salt`` share pages and other tenants do not.
     """
     tenant = cache_salt or cfg.tenant
+    if cfg.key_schema == "x1":
+        return page_hash_seed(None, tenant) or b""
     secret = cfg.salt
     if not tenant:
         return secret

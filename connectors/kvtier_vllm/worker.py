@@ -173,10 +173,14 @@ class WorkerSide:
         with self._lock:
             cache = self._caches.get(salt)
             if cache is None:
-                spec = NamespaceSpec(**{**self.base_spec.__dict__, "salt": salt})
+                # x1: ``salt`` is the request's page-chain seed (settings.namespace_salt) and the
+                # namespace salt is salt_hex alone, as SGLang's backend names it.
+                x1 = self.cfg.key_schema == "x1"
+                spec = NamespaceSpec(**{**self.base_spec.__dict__, "salt": self.cfg.salt if x1 else salt})
                 tenant = hashlib.sha256(salt).hexdigest()[:12] if salt else ""
                 cache = PrefixCache(self.store, spec, codec=self.cfg.codec, shuffle=self.cfg.shuffle,
-                                    tenant=tenant)
+                                    tenant=tenant, key_schema=self.cfg.key_schema,
+                                    page_seed=(salt or None) if x1 else None)
                 self._caches[salt] = cache
             return cache
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -319,17 +319,39 @@ class CpuTier(BoundedTier):
             for key, value in evicted:
                 listener(key, value)
 
+    def put_in_place(self, key: bytes, length: int, fill: Callable[[memoryview], None],
+                     depth: int = 0, parent: bytes = b"") -> bool:
+        """Store a ``length``-byte chunk that ``fill(view)`` writes straight into its arena slot
+        (a writable view of exactly ``length`` bytes): the put without the copy from a caller's
+        buffer, for callers that would only build the chunk to have it copied here. False when
+        the chunk cannot fit a slot (as ``put``). ``fill`` runs outside the tier lock; if it
+        raises, the slot is freed, nothing is stored and the exception propagates."""
+        check_keys([key])
+        evicted: list[tuple[bytes, bytes]] = []
+        try:
+            return self._put(key, length, fill, depth, parent, evicted)
+        finally:
+            self._notify(evicted)  # victims are gone whether or not ``fill`` succeeded
+
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
-        res = self._reserve(len(src), evicted, evict=True)
+
+        def copy(dst: memoryview) -> None:
+            dst[:] = src
+
+        return self._put(e.key, len(src), copy, e.depth, e.parent, evicted)
+
+    def _put(self, key: bytes, length: int, fill: Callable[[memoryview], None], depth: int,
+             parent: bytes, evicted: list[tuple[bytes, bytes]]) -> bool:
+        res = self._reserve(length, evicted, evict=True)
         if res is None:
             return False
         try:
-            res.view[:] = src  # the copy, outside the lock
+            fill(res.view)  # the copy, outside the lock
         except BaseException:
             self.abort(res)
             raise
-        return self._commit(res, e.key, e.depth, e.parent)
+        return self._commit(res, key, depth, parent)
 
     def reserve(self, length: int) -> Reservation | None:
         """A free slot for a chunk of ``length`` bytes that the caller writes in place

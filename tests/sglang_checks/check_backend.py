@@ -299,13 +299,15 @@ def test_bad_config_fails_the_attach_with_a_named_field() -> None:
         StorageBackendFactory.create_backend("dynamic", cfg, host)
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
+@pytest.mark.parametrize("tiers", ["disk", "cpu+disk"])
 def test_requests_larger_than_a_buffer_batch_stream_through_reused_buffers(tmp_path: Path, tiers: str) -> None:
     """A request spanning several of the thread's buffer batches restores every page exactly
-    (cpu only: reused write buffers; cpu+disk write-through: fresh ones the queue keeps), and a
-    page missing in a later batch ends the run there."""
+    (disk only: reused write buffers; cpu+disk write-through: fresh ones the queue keeps), and a
+    page missing in a later batch ends the run there. (A cpu tier alone moves pages in place:
+    test_cpu_tier_pages_restore_in_place_and_a_corrupt_one_is_refused.)"""
     _, host = mha_pools("page_head")
-    extra = {} if tiers == "cpu" else {"disk": {"enabled": True, "path": str(tmp_path)}}
+    disk = {"disk": {"enabled": True, "path": str(tmp_path)}}
+    extra = {"cpu": {"enabled": False}, **disk} if tiers == "disk" else disk
     be = make(host, "page_head", extra)
     assert be._bufs is not None and be._store is not None
     be._bufs.per_batch = 3  # batches of 3 pages: 10 pages cross three batch boundaries
@@ -322,4 +324,34 @@ def test_requests_larger_than_a_buffer_batch_stream_through_reused_buffers(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(pages_of(host, dst, PAGE), ref))
     be._store.delete(be_keys(be, keys[7:8]))
     assert be.batch_get_v1(keys, host.alloc(10 * PAGE)) == [True] * 7 + [False] * 3
+    be.close()
+
+
+def test_cpu_tier_pages_restore_in_place_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
+    """Pages the cpu tier holds are verified in its arena and copied once (arena.py); a page
+    only a lower tier holds is read through the store; a corrupt arena chunk never lands."""
+    from kvtier.chunk import HEADER_SIZE
+
+    _, host = mha_pools("page_first")
+    be = make(host, "page_first", {"disk": {"enabled": True, "path": str(tmp_path)}})
+    keys = keys_for(list(range(4 * PAGE)))
+    src = host.alloc(4 * PAGE)
+    fill_random(host, seed=7)
+    ref = pages_of(host, src, PAGE)
+    assert all(be.batch_set_v1(keys, src))
+    assert be._store is not None
+    be._store.flush(30)
+    cpu = be._store.tiers[0]
+    xkeys = be_keys(be, keys)
+    cpu.delete([xkeys[2]])                                   # page 2: disk only
+    dst = host.alloc(4 * PAGE)
+    assert be.batch_get_v1(keys, dst) == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(host, dst, PAGE), ref))
+    slot, _ = cpu._map[xkeys[1]]                             # flip one payload byte in the arena
+    cpu._arena[slot * cpu.slot_bytes + HEADER_SIZE + 5] ^= 0xFF
+    host.kv_buffer.view(torch.uint8)[...] = 0
+    assert be.batch_get_v1(keys, dst) == [True, False, False, False]
+    pages = pages_of(host, dst, PAGE)
+    assert torch.equal(pages[0], ref[0]) and not pages[1].view(torch.uint8).any()
+    assert be.batch_exists(keys) == 1                        # refused chunk deleted everywhere
     be.close()

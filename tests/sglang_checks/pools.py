@@ -23,6 +23,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HOST_BUDGET = 4 << 30
+# kvtier's cpu tier commits its whole arena up front (1 GiB by default); these checks build dozens
+# of backends on a shared machine, so their cpu tier is small unless a check sets its own.
+SMALL_CPU = {"capacity_bytes": "64MiB", "slot_bytes": "64KiB"}
 BACKEND = {"backend_name": "kvtier", "module_path": "kvtier_sglang", "class_name": "KVTierStorage",
            "interface_v1": 1}
 
@@ -57,7 +60,7 @@ def storage_config(layout: str, extra: dict[str, Any] | None = None, *, mla: boo
                                 attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
                                 enable_storage_metrics=False,
                                 is_page_first_layout=layout == "page_first", model_name=model,
-                                extra_config={**BACKEND, **(extra or {})})
+                                extra_config={**BACKEND, "cpu": SMALL_CPU, **(extra or {})})
 
 
 def fill_random(host: Any, seed: int) -> None:

@@ -1,0 +1,103 @@
+"""Pages straight between SGLang's host pool and an in-process cpu tier's arena: one copy each way.
+
+Why: through the store, a page read is copied arena -> chunk buffer, verified, then copied
+buffer -> host pool; a page write is copied pool -> chunk buffer, framed, then buffer -> arena.
+Every copy is a full pass over the page through DRAM, the bulk of an L3 transfer's CPU time.
+When the store's first tier is kvtier's ``CpuTier`` (same process):
+
+- read: ``CpuTier.leased`` gives a read-only view of the chunk in the arena that no eviction,
+  delete or overwrite can reuse while held; the chunk is verified there (header, namespace, key,
+  shape, payload checksum) and copied once into the pool. The first page the cpu tier lacks
+  ends this path; the caller reads the rest through the store (lower tiers, promotion).
+- write (single-tier stores only: a write-through cascade needs the chunk bytes for the lower
+  tiers anyway): ``CpuTier.put_in_place`` hands the slot; the page is copied from the pool into
+  it and the chunk framed around it there (header + xxh3 checksum).
+
+Failure: a chunk that fails verification is counted (``chunk_errors``), deleted from every tier
+and ends the run, as ``PrefixCache.load_verified`` does; nothing wrong reaches the pool. A page
+the tier refuses (no slot) is a ``False`` for the caller.
+Threads: any (leases and slots are per call; host regions of concurrent calls are disjoint).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.cache import PrefixCache
+from kvtier.chunk import HEADER_SIZE, decode_chunk, frame_raw_chunk
+from kvtier.codec import Codec
+from kvtier.errors import ChunkError
+from kvtier.tiers.base import Miss
+from kvtier.tiers.cpu import CpuTier
+
+log = logging.getLogger(__name__)
+
+PageBytes = Callable[[int], np.ndarray]  # page i -> writable uint8 view of its canonical bytes
+
+
+def leasing_tier(cache: PrefixCache) -> CpuTier | None:
+    """The store's first tier when it is a cpu tier whose chunks can be read in place."""
+    tiers = cache.store.tiers
+    return tiers[0] if tiers and isinstance(tiers[0], CpuTier) else None
+
+
+def writable_tier(cache: PrefixCache) -> CpuTier | None:
+    """The store's only tier when it is a cpu tier raw chunks can be framed in (no cascade)."""
+    tiers = cache.store.tiers
+    raw = cache.codec == Codec.RAW and not cache.shuffle
+    return tiers[0] if raw and len(tiers) == 1 and isinstance(tiers[0], CpuTier) else None
+
+
+def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_tokens: int,
+                dst_for: PageBytes) -> int:
+    """Copy the verified chunks of the leading ``keys`` the cpu tier holds into ``dst_for(i)``;
+    returns how many."""
+    shape = cache.spec.layout.chunk_shape(page_tokens)
+    dtype, namespace = cache.spec.kv_dtype, cache.namespace
+    read = cache.store.metrics.bytes_read.labels(tier.name)
+    for i, key in enumerate(keys):
+        with tier.leased(key) as view:
+            if isinstance(view, Miss):
+                return i
+            try:
+                chunk = decode_chunk(view, namespace=namespace, key=key, dtype=dtype, shape=shape)
+            except ChunkError as exc:
+                log.warning("refusing chunk %d (%s): %s", i, key.hex()[:16], exc)
+                cache.metrics.chunk_errors.labels(exc.reason).inc()
+                bad = True
+            else:
+                dst = dst_for(i)
+                np.copyto(dst, np.frombuffer(chunk.payload, np.uint8).reshape(dst.shape))
+                read.inc(view.nbytes)
+                bad = False
+        if bad:
+            cache.store.delete([key])
+            return i
+    return len(keys)
+
+
+def write_in_place(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_tokens: int,
+                   src_for: PageBytes, depth0: int, parent0: bytes) -> int:
+    """Store page ``i`` (``src_for(i)``) under ``keys[i]`` straight into the arena; ``keys[i]``
+    sits at prefix depth ``depth0 + i`` under ``keys[i - 1]`` (``parent0`` for the first).
+    Returns how many the tier accepted (it stops at the first refusal)."""
+    shape = cache.spec.layout.chunk_shape(page_tokens)
+    dtype, namespace = cache.spec.kv_dtype, cache.namespace
+    metrics = cache.store.metrics
+    for i, key in enumerate(keys):
+        src = src_for(i)
+
+        def fill(dst: memoryview, src: np.ndarray = src, key: bytes = key) -> None:
+            body = np.frombuffer(dst, np.uint8, count=src.size, offset=HEADER_SIZE)
+            np.copyto(body.reshape(src.shape), src)
+            frame_raw_chunk(dst, namespace, key, dtype, shape)
+
+        length = HEADER_SIZE + src.size
+        if not tier.put_in_place(key, length, fill, depth0 + i, keys[i - 1] if i else parent0):
+            metrics.dropped_writes.labels(tier.name, "rejected").inc(len(keys) - i)
+            return i
+        metrics.bytes_written.labels(tier.name).inc(length)
+    return len(keys)
