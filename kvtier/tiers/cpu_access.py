@@ -1,0 +1,124 @@
+"""Zero-copy access to a :class:`~kvtier.tiers.cpu.CpuTier`'s arena, for callers that would
+otherwise copy a chunk only to have it copied again: leases (read-only views of stored chunks,
+which kvtier-server sends straight to a socket) and reservations (a slot written in place, then
+published: the server receives a PUT body into it; SGLang's backend frames a page into it).
+
+The slot bookkeeping these build on (``_acquire``/``_leave``, ``_reserve``/``_commit``, the
+lock) stays in ``cpu.py``; the threading and ownership rules are that module's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.tiers.base import Miss, check_keys
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A slot taken for a chunk being written in place (:meth:`CpuTier.reserve`): ``view`` is
+    the slot's first ``length`` bytes, writable, and seen by no reader until committed."""
+
+    slot: int
+    view: memoryview
+
+
+class ArenaAccess:
+    """Mixed into ``CpuTier``; every method takes the tier's lock itself. Any thread."""
+
+    if TYPE_CHECKING:  # provided by CpuTier
+        _lock: threading.RLock
+        _arena: memoryview
+        slot_bytes: int
+        _writing: set[int]
+
+        def _check_open(self) -> None: ...
+        def _acquire(self, key: bytes) -> tuple[int, int] | Miss: ...
+        def _leave(self, slot: int) -> None: ...
+        def _free_slot(self, slot: int) -> None: ...
+        def _notify(self, evicted: list[tuple[bytes, bytes]]) -> None: ...
+        def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool) -> Reservation | None: ...
+        def _commit(self, res: Reservation, key: bytes, depth: int, parent: bytes) -> bool: ...
+        def _put(self, key: bytes, length: int, fill: Callable[[memoryview], None], depth: int,
+                 parent: bytes, evicted: list[tuple[bytes, bytes]]) -> bool: ...
+
+    @contextmanager
+    def leased(self, key: bytes) -> Iterator[memoryview | Miss]:
+        """A read-only view of ``key``'s chunk in the arena, for use inside the ``with`` block
+        only (no copy: a server sends it straight to a socket). While leased the slot is never
+        reused: a chunk evicted, deleted or overwritten meanwhile stays intact for this lease.
+        Yields a :class:`Miss` when the key is absent. Any thread; keep leases short (a
+        leased slot is unavailable to ``put``)."""
+        check_keys([key])
+        with self._lock:
+            self._check_open()
+            hit = self._acquire(key)
+        if isinstance(hit, Miss):
+            yield hit
+            return
+        slot, length = hit
+        off = slot * self.slot_bytes
+        try:
+            yield self._arena[off : off + length].toreadonly()
+        finally:
+            with self._lock:
+                self._leave(slot)
+
+    @contextmanager
+    def leased_many(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | Miss]]:
+        """:meth:`leased` for several keys at once, under one lock hold (a server sends the
+        views with one ``sendmsg``): per key a read-only view or a :class:`Miss`, every slot
+        leased until the ``with`` block ends. The same rules as :meth:`leased`; a caller bounds
+        how many slots it holds at once (each is unavailable to ``put`` meanwhile)."""
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            hits = [self._acquire(key) for key in keys]
+        arena, slot_bytes = self._arena, self.slot_bytes
+        try:
+            yield [hit if isinstance(hit, Miss)
+                   else arena[hit[0] * slot_bytes : hit[0] * slot_bytes + hit[1]].toreadonly() for hit in hits]
+        finally:
+            with self._lock:
+                for hit in hits:
+                    if not isinstance(hit, Miss):
+                        self._leave(hit[0])
+
+    def put_in_place(self, key: bytes, length: int, fill: Callable[[memoryview], None],
+                     depth: int = 0, parent: bytes = b"") -> bool:
+        """Store a ``length``-byte chunk that ``fill(view)`` writes straight into its arena slot
+        (a writable view of exactly ``length`` bytes): the put without the copy from a caller's
+        buffer, for callers that would only build the chunk to have it copied here. False when
+        the chunk cannot fit a slot (as ``put``). ``fill`` runs outside the tier lock; if it
+        raises, the slot is freed, nothing is stored and the exception propagates."""
+        check_keys([key])
+        evicted: list[tuple[bytes, bytes]] = []
+        try:
+            return self._put(key, length, fill, depth, parent, evicted)
+        finally:
+            self._notify(evicted)  # victims are gone whether or not ``fill`` succeeded
+
+    def reserve(self, length: int) -> Reservation | None:
+        """A free slot for a chunk of ``length`` bytes that the caller writes in place
+        (kvtier-server receives a PUT body straight into it: no copy). Never evicts: the
+        bytes are not verified yet, and a chunk refused later must have cost nothing; None
+        when no slot is free or the chunk does not fit one (the caller then verifies first
+        and puts). The slot is invisible to readers until :meth:`commit`; :meth:`abort` gives
+        it back. Either must follow (a reservation left open keeps its slot out of use)."""
+        return self._reserve(length, [], evict=False)
+
+    def commit(self, res: Reservation, key: bytes, depth: int = 0, parent: bytes = b"") -> bool:
+        """Publish the chunk written into ``res`` under ``key`` (replacing what ``key`` held);
+        False (slot freed) when the tier was closed meanwhile."""
+        check_keys([key])
+        return self._commit(res, key, depth, parent)
+
+    def abort(self, res: Reservation) -> None:
+        """Give back a reserved slot unpublished (its bytes are never read)."""
+        with self._lock:
+            self._writing.discard(res.slot)
+            self._free_slot(res.slot)  # no reader can hold it: it was never published
