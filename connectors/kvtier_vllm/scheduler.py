@@ -50,6 +50,7 @@ class _Match:
     tiers: dict[str, int]
     is_async: bool
     at: float
+    skipped: int = 0    # hit tokens after ``usable`` left to recompute: loading them is slower
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Req:
     hit_tokens: int = 0
     hit_tiers: dict[str, int] = field(default_factory=dict)
     outcome: LoadOutcome | None = None
+    skipped_tokens: int = 0
 
 
 class SchedulerSide:
@@ -85,6 +87,7 @@ class SchedulerSide:
         self._pending: set[str] = set()  # requests with a planned load not yet sent
         self._dropped: list[str] = []
         self._events: list[Any] = []
+        self._skipped = 0  # skipped tokens committed since the last metadata
         self.stats = StatsCollector()
 
     # --- lookup ---------------------------------------------------------------------------
@@ -123,7 +126,7 @@ class SchedulerSide:
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
         blob = tokens_bytes(req.all_token_ids[:covered])
-        usable, tiers = limit, dict[str, int]()
+        usable, tiers, skipped = limit, dict[str, int](), 0
         t0 = time.perf_counter()
         for client in self._clients:
             reply = client.call(header, blob)
@@ -132,6 +135,7 @@ class SchedulerSide:
                 break
             # A prefix counts only if every rank holds its shard of it.
             usable = min(usable, int(reply.get("tokens", 0)))
+            skipped = max(skipped, int(reply.get("skipped", 0)))
             for tier, n in (reply.get("tiers") or {}).items():
                 tiers[tier] = max(tiers.get(tier, 0), int(n))
         usable = usable // self.block_size * self.block_size
@@ -142,7 +146,7 @@ class SchedulerSide:
         self.stats.add(lookups=1)
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)
-        return _Match(start, max(start, usable), tiers, is_async, now)
+        return _Match(start, max(start, usable), tiers, is_async, now, skipped if usable > 0 else 0)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -167,6 +171,10 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._state(request)
         m = st.match
+        if m is not None and m.skipped:
+            st.skipped_tokens += m.skipped
+            self._skipped += m.skipped
+            self.stats.add(load_skipped_tokens=m.skipped)
         if num_external_tokens <= 0 or m is None:
             if m is not None and m.usable > m.start and not st.async_inflight:
                 self._dropped.append(request.request_id)  # prefetched for nothing
@@ -214,6 +222,8 @@ class SchedulerSide:
                     if spec is not None:
                         meta.saves.append(spec)
         meta.dropped, self._dropped = self._dropped, []
+        meta.skipped_tokens, self._skipped = self._skipped, 0
+        meta.step_tokens = sum(so.num_scheduled_tokens.values())
         return meta
 
     def _track_blocks(self, so: SchedulerOutput) -> None:
@@ -292,6 +302,7 @@ class SchedulerSide:
             "failed_tokens": (st.outcome.end - st.outcome.ok_end) if st.outcome else 0,
             "failure_reason": st.outcome.reason if st.outcome and st.outcome.ok_end < st.outcome.end else "",
             "saved_tokens": st.saved_upto,
+            "skipped_tokens": st.skipped_tokens,
         }}
         # An async load still writing into these blocks: vLLM frees them on finished_recving.
         return st.async_inflight, params

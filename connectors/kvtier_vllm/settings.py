@@ -39,6 +39,12 @@ class VllmSettings:
     # "auto": async (load_async=True) only when a hit sits below the fast (in-memory) tiers.
     async_load: str = field(default="auto", metadata={"choices": ("auto", "always", "never")})
     prefetch: bool = True               # start loading at lookup time
+    # "auto": load only the leading part of a hit estimated faster to load than to recompute
+    # (per-tier bandwidth and fixed cost, and the engine's prefill rate, measured online:
+    # loadplan.py); "always": load every hit.
+    load_decision: str = field(default="auto", metadata={"choices": ("auto", "always")})
+    reprobe_s: float = field(default=10.0, metadata=_rng(0, 86400))  # re-measure a skipped tier
+    prefill_prior_tokens_per_s: float = field(default=5000.0, metadata=_rng(1, None))  # until measured
     prefetch_max_bytes: int = field(default=1 * GiB, metadata=_rng(0, None, size=True))
     prefetch_workers: int = field(default=2, metadata=_rng(1, 64))
     lookup_timeout_s: float = field(default=0.5, metadata=_rng(0.001, 60))

@@ -18,7 +18,7 @@ from kvtier.metrics import LATENCY_BUCKETS, Metrics
 
 _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "load_bytes",
              "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits",
-             "load_pageable_chunks")
+             "load_pageable_chunks", "load_skipped_tokens")
 _SECONDS = ("load_seconds", "save_seconds", "prefetch_wait_seconds")
 _BY = ("hit_tokens_by_tier", "failures_by_reason")
 
@@ -114,6 +114,10 @@ class ConnectorMetrics:
             "kvtier_connector_load_pageable_chunks_total",
             "Chunks restored from pageable host memory (restore staging pool full, or a codec "
             "decompressed them)", registry=r)
+        self.load_skipped_tokens = Counter(
+            "kvtier_connector_load_skipped_tokens_total",
+            "Hit tokens recomputed instead of loaded because loading them was estimated slower",
+            registry=r)
         self.save_chunks = Counter(
             "kvtier_connector_saved_chunks_total", "Chunks handed to the store", registry=r)
         self.save_dropped = Counter(

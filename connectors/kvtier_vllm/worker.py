@@ -36,11 +36,12 @@ from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
 
-from .blocks import PagedLayout, detect_layout, dtype_name, kv_views
+from .blocks import PagedLayout, detect_layout, dtype_name, heads_dim, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
 from .ipc import LookupServer, socket_path
+from .loadplan import CostModel
 from .protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -99,7 +100,7 @@ class WorkerSide:
         first = kv_caches[names[0]]
         info = self.info
         shape = tuple(first.shape)
-        heads, head_dim = _heads_dim(shape, info.block_size, info.mla)
+        heads, head_dim = heads_dim(shape, info.block_size, info.mla)
         self.layout: PagedLayout = detect_layout(first, backend=info.backend, block_size=info.block_size,
                                                  num_kv_heads=heads, head_dim=head_dim, isa=info.isa,
                                                  mla=info.mla)
@@ -121,6 +122,8 @@ class WorkerSide:
             kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
             world_size=world, hash_name=self.cfg.hash)  # type: ignore[arg-type]
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
+        self.chunk_bytes = int(np.prod(self.chunk_shape)) * first.element_size()
+        self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s)
         self.metrics = Metrics()
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
@@ -181,11 +184,14 @@ class WorkerSide:
         cache = self.cache_for(salt)
         hit = cache.lookup(tokens, full_chunks_only=True)
         usable = min(hit.tokens, limit) // self.info.block_size * self.info.block_size
+        skipped, tiers = 0, hit.per_tier
+        if self.settings.load_decision == "auto" and usable > start:  # load or recompute: loadplan.py
+            usable, skipped, tiers = self.costs.cut(hit.runs, start, usable, self.chunk, self.chunk_bytes)
         if header.get("prefetch") and usable - start >= self.info.block_size:
             c0, c1 = start // self.chunk, -(-usable // self.chunk)
             self.prefetcher.submit(str(header["req"]), (salt, c0, c1),
                                    lambda: self.restore_bufs.load(cache, tokens[:c1 * self.chunk], c0, c1))
-        return {"tokens": usable, "tiers": hit.per_tier, "reason": hit.reason}
+        return {"tokens": usable, "skipped": skipped, "tiers": tiers, "reason": hit.reason}
 
     # --- loads ------------------------------------------------------------------------------------------
     def _count_pageable(self, n: int) -> None:
@@ -217,6 +223,7 @@ class WorkerSide:
 
     def _plan(self, spec: LoadSpec, res: LoadedRange) -> tuple[list[RestoreItem], LoadOutcome]:
         c, bs = self.chunk, self.info.block_size
+        self.costs.observe_load(res.per_tier, res.nbytes, res.seconds, time.monotonic())
         ok_end = min(spec.end, (res.start_chunk + len(res.payloads)) * c)
         ok_end = max(spec.start, ok_end)
         items = []
@@ -234,6 +241,8 @@ class WorkerSide:
     def start_load(self, meta: KVTierMetadata) -> None:
         if not self.enabled:
             return
+        self.costs.step_begin(meta.step_tokens, time.perf_counter())
+        self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
             if spec.is_async:
@@ -353,6 +362,7 @@ class WorkerSide:
         """wait_for_save: finish this step's restore, then hand the captured chunks over."""
         if not self.enabled:
             return
+        self.costs.step_end(time.perf_counter(), measured=self._run is None)  # a restore wait is no prefill
         short = self._finish_sync_run()
         self.capture.end(meta.saves if meta is not None else [], short)
 
@@ -402,14 +412,3 @@ class WorkerSide:
         self.store.flush(timeout_s=30)
         self.store.close()
 
-
-def _heads_dim(shape: tuple[int, ...], block_size: int, mla: bool = False) -> tuple[int, int]:
-    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]; for MLA
-    one "head" of the latent's full width ([B, N, D] or [B, 1, N, D])."""
-    if mla:
-        return 1, shape[-1]
-    if len(shape) == 5 and shape[0] == 2:
-        return shape[3], shape[4]
-    if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-        return shape[1], shape[3] // 2
-    raise ValueError(f"cannot read kv heads / head dim from KV tensor shape {shape}")
