@@ -43,11 +43,14 @@ def engine_env() -> dict[str, str]:
 
 class Replica:
     """Parent-side handle. ``options``: model (path), kvtier (extra config dict or None),
-    prefix_caching (bool), max_model_len (int), seed (int), kv_cache_bytes (int: KV cache size)."""
+    prefix_caching (bool), max_model_len (int), seed (int), kv_cache_bytes (int: KV cache size),
+    connector_module (the module vLLM loads ``KVTierConnector`` from; default kvtier_vllm),
+    env (extra environment variables of the engine processes)."""
 
     def __init__(self, options: dict[str, Any], log_path: str | os.PathLike[str], timeout_s: float = 240) -> None:
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         env = engine_env()
+        env.update(options.get("env") or {})
         if options.get("kv_cache_bytes"):
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
         self.proc = subprocess.Popen(
@@ -128,7 +131,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         kw["kv_cache_memory_bytes"] = opts["kv_cache_bytes"]  # a small KV cache forces preemption
     if opts.get("kvtier") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier_vllm", kv_role="kv_both",
+            kv_connector="KVTierConnector", kv_role="kv_both",
+            kv_connector_module_path=opts.get("connector_module", "kvtier_vllm"),
             kv_load_failure_policy="recompute", kv_connector_extra_config=opts["kvtier"])
     return LLM(**kw)
 

@@ -126,12 +126,12 @@ class SchedulerSide:
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
         blob = tokens_bytes(req.all_token_ids[:covered])
-        usable, tiers, skipped = limit, dict[str, int](), 0
+        usable, tiers, skipped, failed = limit, dict[str, int](), 0, False
         t0 = time.perf_counter()
         for client in self._clients:
             reply = client.call(header, blob)
             if reply is None or "error" in reply:
-                usable = 0
+                usable, failed = 0, True
                 break
             # A prefix counts only if every rank holds its shard of it.
             usable = min(usable, int(reply.get("tokens", 0)))
@@ -146,7 +146,7 @@ class SchedulerSide:
         self.stats.add(lookups=1)
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)
-        return _Match(start, max(start, usable), tiers, is_async, now, skipped if usable > 0 else 0)
+        return _Match(start, max(start, usable), tiers, is_async, now, 0 if failed else skipped)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
