@@ -44,12 +44,12 @@ class Pair:
         self.control.write_text(str(SLOW_BPS))
         common = {"model": model, "prefix_caching": False, "max_model_len": P + 256,
                   "max_num_batched_tokens": P + 256}
-        self.plain = Replica({**common, "kvtier": None}, root / "plain.log")
+        self.plain = Replica({**common, "kvtier": None}, root / "plain.log", timeout_s=900)
         try:
             self.kv = Replica({**common, "connector_module": "tests.vllm_throttled",
                                "env": {CONTROL_ENV: str(self.control)},
                                "kvtier": {"chunk_tokens": CHUNK, "vllm": {"reprobe_s": REPROBE_S}}},
-                              root / "throttled.log")
+                              root / "throttled.log", timeout_s=900)
         except BaseException:
             self.plain.close()
             raise

@@ -167,13 +167,17 @@ def test_mixed_tier_sample_is_split_by_prediction() -> None:
     assert c.tier("cpu").fixed_s + 2 * CB * c.tier("cpu").s_per_byte < 0.01
 
 
-def test_cut_reports_tiers_of_the_loaded_part_only() -> None:
+def test_answer_reports_tiers_and_load_time_of_the_loaded_part_only() -> None:
     model = CostModel()
     model.step_begin(1024, now=0.0)
     model.step_end(0.01)
     model.observe_load({"grpc": 4}, 4 * CB, 2.0, now=time.monotonic())
-    end, skipped, tiers = model.cut([("cpu", 2), ("grpc", 4)], 0, 6 * C, C, CB)
+    end, skipped, tiers, load_s = model.answer([("cpu", 2), ("grpc", 4)], 0, 6 * C, C, CB)
     assert (end, skipped, tiers) == (2 * C, 4 * C, {"cpu": 2})
+    assert 0 < load_s < 1e-3                 # two cpu chunks
+    # load_decision "always": the whole hit, with its (slow) estimate for the async choice.
+    end, skipped, tiers, load_s = model.answer([("cpu", 2), ("grpc", 4)], 0, 6 * C, C, CB, cut=False)
+    assert (end, skipped, tiers) == (6 * C, 0, {"cpu": 2, "grpc": 4}) and load_s > 1.5
     assert tiers_upto([("cpu", 2), ("grpc", 4)], 3) == {"cpu": 2, "grpc": 1}
 
 

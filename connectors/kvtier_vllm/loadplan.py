@@ -273,13 +273,34 @@ class CostModel:
                 self._fit(decision.probe).last = now
         return decision
 
-    def cut(self, runs: Sequence[tuple[str, int]], start: int, usable: int, chunk_tokens: int,
-            chunk_bytes: int) -> tuple[int, int, dict[str, int]]:
+    def answer(self, runs: Sequence[tuple[str, int]], start: int, usable: int, chunk_tokens: int,
+               chunk_bytes: int, *, cut: bool = True) -> tuple[int, int, dict[str, int], float]:
         """For a lookup answer: (end of the part to load, hit tokens skipped for speed, chunks
-        per tier from chunk 0 up to that end)."""
-        d = self.decide(runs, start=start, usable=usable, chunk_tokens=chunk_tokens,
-                        chunk_bytes=chunk_bytes, now=time.monotonic())
-        return d.end, d.skipped, tiers_upto(runs, -(-d.end // chunk_tokens))
+        per tier from chunk 0 up to that end, estimated seconds to load it). ``cut=False``
+        loads the whole hit and only estimates it (``load_decision: always``)."""
+        costs = self.costs(time.monotonic())
+        if cut and usable > start:
+            d = self.decide(runs, start=start, usable=usable, chunk_tokens=chunk_tokens,
+                            chunk_bytes=chunk_bytes, now=time.monotonic())
+            start_end = d.end
+        else:
+            start_end = usable
+        load_s = load_seconds(runs, start=start, end=start_end, chunk_tokens=chunk_tokens,
+                              chunk_bytes=chunk_bytes, costs=costs)
+        return start_end, usable - start_end, tiers_upto(runs, -(-start_end // chunk_tokens)), load_s
+
+
+def load_seconds(runs: Sequence[tuple[str, int]], *, start: int, end: int, chunk_tokens: int,
+                 chunk_bytes: int, costs: Costs) -> float:
+    """Estimated time to read the chunks holding tokens ``[start, end)``."""
+    c, pos, total = chunk_tokens, 0, 0.0
+    for tier, n in runs:
+        a, b = max(pos * c, start), min((pos + n) * c, end)
+        pos += n
+        if a < b:
+            cost = costs.tier(tier)
+            total += cost.fixed_s + (-(-b // c) - a // c) * chunk_bytes * cost.s_per_byte
+    return total
 
 
 def tiers_upto(runs: Sequence[tuple[str, int]], chunks: int) -> dict[str, int]:

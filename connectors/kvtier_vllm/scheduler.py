@@ -126,7 +126,7 @@ class SchedulerSide:
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
         blob = tokens_bytes(req.all_token_ids[:covered])
-        usable, tiers, skipped, failed = limit, dict[str, int](), 0, False
+        usable, tiers, skipped, failed, load_s = limit, dict[str, int](), 0, False, 0.0
         t0 = time.perf_counter()
         for client in self._clients:
             reply = client.call(header, blob)
@@ -136,13 +136,16 @@ class SchedulerSide:
             # A prefix counts only if every rank holds its shard of it.
             usable = min(usable, int(reply.get("tokens", 0)))
             skipped = max(skipped, int(reply.get("skipped", 0)))
+            load_s = max(load_s, float(reply.get("load_s", 0.0)))
             for tier, n in (reply.get("tiers") or {}).items():
                 tiers[tier] = max(tiers.get(tier, 0), int(n))
         usable = usable // self.block_size * self.block_size
         log.debug("kvtier: lookup of %s (%d tokens): %d usable, tiers %s, %.2f ms", req.request_id,
                   covered, usable, tiers, 1e3 * (time.perf_counter() - t0))
         mode = self.settings.async_load
-        is_async = mode == "always" or (mode == "auto" and not set(tiers) <= FAST_TIERS)
+        # A short load costs less inline than the extra engine steps an async one takes.
+        is_async = mode == "always" or (mode == "auto" and not set(tiers) <= FAST_TIERS
+                                        and load_s >= self.settings.async_min_load_s)
         self.stats.add(lookups=1)
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)

@@ -184,14 +184,14 @@ class WorkerSide:
         cache = self.cache_for(salt)
         hit = cache.lookup(tokens, full_chunks_only=True)
         usable = min(hit.tokens, limit) // self.info.block_size * self.info.block_size
-        skipped, tiers = 0, hit.per_tier
-        if self.settings.load_decision == "auto" and usable > start:  # load or recompute: loadplan.py
-            usable, skipped, tiers = self.costs.cut(hit.runs, start, usable, self.chunk, self.chunk_bytes)
+        usable, skipped, tiers, load_s = self.costs.answer(  # load or recompute: loadplan.py
+            hit.runs, start, usable, self.chunk, self.chunk_bytes, cut=self.settings.load_decision == "auto")
         if header.get("prefetch") and usable - start >= self.info.block_size:
             c0, c1 = start // self.chunk, -(-usable // self.chunk)
             self.prefetcher.submit(str(header["req"]), (salt, c0, c1),
                                    lambda: self.restore_bufs.load(cache, tokens[:c1 * self.chunk], c0, c1))
-        return {"tokens": usable, "skipped": skipped, "tiers": tiers, "reason": hit.reason}
+        return {"tokens": usable, "skipped": skipped, "tiers": tiers if skipped else hit.per_tier,
+                "load_s": load_s, "reason": hit.reason}
 
     # --- loads ------------------------------------------------------------------------------------------
     def _count_pageable(self, n: int) -> None:
