@@ -34,7 +34,7 @@ BLOCK, CHUNK = 128, 256
 P = 3072                      # shared prefix: 12 chunks
 SLOW_BPS = 4_000_000          # 4 MB/s: the prefix's 6 MiB take ~1.5 s to read, recompute ~0.1 s
 REPROBE_S = 8.0               # a skipped tier is probed (one chunk, ~0.13 s) this often
-RUNS = 7
+RUNS = 9
 
 
 class Pair:
