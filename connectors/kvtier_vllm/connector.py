@@ -138,7 +138,6 @@ class KVTierConnector(KVConnectorBase_V1):
             # after the forward when the step has no sync load): the start of the step the
             # worker times the engine's prefill by (loadplan.py).
             w.costs.step_begin(connector_metadata.step_tokens, time.perf_counter())
-            w.cmetrics.load_skipped_tokens.inc(connector_metadata.skipped_tokens)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()

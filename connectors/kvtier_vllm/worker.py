@@ -241,6 +241,7 @@ class WorkerSide:
     def start_load(self, meta: KVTierMetadata) -> None:
         if not self.enabled:
             return
+        self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
             if spec.is_async:
