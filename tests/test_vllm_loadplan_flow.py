@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 
-from tests.test_vllm_connector_flow import C, N, _fill, _halves, _output, _req, _run_step, _wait_saved
+from tests.test_vllm_connector_flow import (
+    C,
+    N,
+    _fill,
+    _halves,
+    _output,
+    _req,
+    _run_step,
+    _wait_saved,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
