@@ -76,6 +76,7 @@ class PrefixCache:
         self.shuffle = shuffle
         self.tenant = tenant
         self.metrics: Metrics = store.metrics
+        self._tenant_label = self.metrics.declare_tenant(tenant, tuple(t.name for t in store.tiers))
         self._check_slot_sizes()
 
     @classmethod
@@ -198,7 +199,7 @@ class PrefixCache:
 
     def _count(self, runs: tuple[tuple[str, int], ...], spans: list[tuple[int, int]],
                hit_tokens: int, total: int, reason: str) -> None:
-        m, tenant = self.metrics, self.tenant
+        m, tenant = self.metrics, self._tenant_label
         m.lookups.labels(tenant).inc()
         pos = 0
         for name, n in runs:

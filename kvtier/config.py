@@ -157,6 +157,8 @@ class KVTierConfig:
     tenant: str = ""
     salt_hex: str = ""
     log_level: str = field(default="WARNING", metadata=one_of("DEBUG", "INFO", "WARNING", "ERROR"))
+    # Distinct tenant names the metrics keep before the rest read "other" (docs/metrics.md).
+    metrics_label_values: int = field(default=64, metadata=value_range(0, 100_000))
     cpu: CpuTierConfig = CpuTierConfig()
     disk: DiskTierConfig = DiskTierConfig()
     redis: RedisTierConfig = RedisTierConfig()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvtier.codec import Buf
 from kvtier.config import KVTierConfig, StoreConfig
 from kvtier.metrics import Metrics
-from kvtier.tiers.base import ABSENT, EVICTED, Entry, Miss, Tier, bind_prefix
+from kvtier.tiers.base import ABSENT, EVICTED, BoundedTier, Entry, Miss, Tier, bind_prefix
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class TieredStore:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
+        self.metrics.declare_tiers(tuple(names))
+        self.metrics.on_scrape(self._refresh_local_usage)
         self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=config.queue_depth)
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
@@ -111,6 +113,8 @@ class TieredStore:
     def from_config(cls, cfg: KVTierConfig, metrics: Metrics | None = None) -> TieredStore:
         from kvtier.tiers.factory import build_tiers
 
+        if metrics is None:
+            metrics = Metrics(label_values=cfg.metrics_label_values)
         return cls(build_tiers(cfg), cfg.store, metrics)
 
     # --- lookup / load -------------------------------------------------------------------
@@ -311,6 +315,19 @@ class TieredStore:
                 return False
             time.sleep(0.002)
         return True
+
+    def _refresh_local_usage(self) -> None:
+        """At each scrape: the usage gauges of the tiers whose usage is local bookkeeping
+        (BoundedTier: cpu, memory, disk). A remote tier's usage is a network call, so its
+        gauges move only when :meth:`stats` is asked."""
+        if self._closed:
+            return
+        for tier in self.tiers:
+            if isinstance(tier, BoundedTier):
+                u = tier.usage()
+                self.metrics.used_bytes.labels(tier.name).set(u.used_bytes)
+                self.metrics.capacity_bytes.labels(tier.name).set(u.capacity_bytes)
+                self.metrics.entries.labels(tier.name).set(u.entries)
 
     def stats(self) -> dict[str, dict[str, int]]:
         out = {}

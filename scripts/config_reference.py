@@ -19,6 +19,7 @@ HELP = {
     "tenant": "tenant label on metrics",
     "salt_hex": "namespace salt (hex); per-tenant isolation, see kvtier.keys.tenant_salt",
     "log_level": "log level of kvtier's loggers in connectors and the CLI",
+    "metrics_label_values": "distinct tenants named on metrics before the rest read `other` (docs/metrics.md)",
     "cpu.enabled": "host-RAM arena tier",
     "cpu.capacity_bytes": "arena size",
     "cpu.slot_bytes": "fixed slot size: the largest chunk the arena holds",

@@ -10,6 +10,13 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
+# Prometheus for tests/test_prometheus.py (scrapes a live cluster, evaluates the Grafana
+# panels' PromQL). The test starts its own on free ports; the Debian service is not used.
+if ! command -v prometheus >/dev/null; then
+    echo "test.sh: installing prometheus (needed by tests/test_prometheus.py)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+fi
+
 # Headless Chromium for the HTML report tests (driven by Playwright from the test extra;
 # `playwright install` cannot download browsers here, so the tests use the system's).
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then

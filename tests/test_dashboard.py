@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtier_vllm.metrics import ConnectorMetrics
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, GrpcTierConfig
 from kvtier.metrics import Metrics
@@ -258,13 +259,15 @@ _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum",
 
 
 def declared_series(tmp_path: Path) -> set[str]:
-    """Every series name kvtier's two registries can expose, by prometheus_client's rules."""
+    """Every series name kvtier's registries can expose, by prometheus_client's rules."""
     storage = Storage([Tenant("default")], CpuTierConfig(enabled=True, capacity_bytes=1 << 20,
                                                          slot_bytes=1 << 16),
                       DiskTierConfig(enabled=True, path=str(tmp_path), capacity_bytes=1 << 20))
     try:
         names: set[str] = set()
-        for registry in (Metrics().registry, ServerMetrics(storage).registry):
+        client = Metrics()
+        ConnectorMetrics(client)  # the vLLM connector's series share the client registry
+        for registry in (client.registry, ServerMetrics(storage).registry):
             for family in registry.collect():
                 names.update(family.name + s for s in _SUFFIXES[family.type])
         return names

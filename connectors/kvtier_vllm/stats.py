@@ -2,8 +2,9 @@
 
 ``KVTierStats`` travels from each worker (and the scheduler) to vLLM's stats logger every step
 through ``get_kv_connector_stats``; vLLM aggregates the objects and calls ``reduce`` when it
-logs. ``ConnectorMetrics`` adds the connector-level series to the store's own kvtier registry
-(``Metrics.registry``), so one ``/metrics`` endpoint shows store and connector together.
+logs. ``ConnectorMetrics`` (declared in ``kvtier_vllm.metrics``, which needs no vLLM) adds the
+connector-level series to the store's own kvtier registry (``Metrics.registry``), so one
+``/metrics`` endpoint shows store and connector together.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.metrics import LATENCY_BUCKETS, Metrics
+from .metrics import ConnectorMetrics
+
+__all__ = ["ConnectorMetrics", "KVTierStats", "StatsCollector"]
 
 _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "load_bytes",
              "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits",
@@ -90,36 +92,3 @@ class StatsCollector:
             data, self._data, self._dirty = self._data, _empty(), False
         stats = KVTierStats(data)
         return None if stats.is_empty() else stats
-
-
-class ConnectorMetrics:
-    """Connector series on the store's registry (``kvtier_connector_*``)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        r = metrics.registry
-        self.load_tokens = Counter(
-            "kvtier_connector_load_tokens_total", "Tokens restored into the engine, by tier",
-            ["tier"], registry=r)
-        self.load_failures = Counter(
-            "kvtier_connector_load_failures_total",
-            "Restores that fell short (blocks recomputed), by reason", ["reason"], registry=r)
-        self.load_seconds = Histogram(
-            "kvtier_connector_load_duration_seconds", "Time from load start to last layer restored",
-            registry=r, buckets=LATENCY_BUCKETS)
-        self.prefetch_wait_seconds = Histogram(
-            "kvtier_connector_prefetch_wait_seconds",
-            "Time the engine waited for a prefetch that had not finished", registry=r,
-            buckets=LATENCY_BUCKETS)
-        self.load_pageable_chunks = Counter(
-            "kvtier_connector_load_pageable_chunks_total",
-            "Chunks restored from pageable host memory (restore staging pool full, or a codec "
-            "decompressed them)", registry=r)
-        self.load_skipped_tokens = Counter(
-            "kvtier_connector_load_skipped_tokens_total",
-            "Hit tokens recomputed instead of loaded because loading them was estimated slower",
-            registry=r)
-        self.save_chunks = Counter(
-            "kvtier_connector_saved_chunks_total", "Chunks handed to the store", registry=r)
-        self.save_dropped = Counter(
-            "kvtier_connector_save_dropped_total", "Save jobs dropped because the queue was full",
-            registry=r)

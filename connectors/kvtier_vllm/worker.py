@@ -124,7 +124,7 @@ class WorkerSide:
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
         self.chunk_bytes = int(np.prod(self.chunk_shape)) * first.element_size()
         self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s)
-        self.metrics = Metrics()
+        self.metrics = Metrics(label_values=self.cfg.metrics_label_values)
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
         self.copier: Copier = make_copier(first.device)

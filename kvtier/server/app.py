@@ -92,8 +92,8 @@ class KVTierServer:
         self.storage = await loop.run_in_executor(self.executor, lambda: Storage(
             self.auth.tenants.values(), cfg.cpu, cfg.disk, cfg.default_quota_bytes,
             store_factory=store_factory(cfg)))
-        self.metrics = ServerMetrics(self.storage)
-        self.metrics.registry.register(LowerCollector(self.storage))
+        self.metrics = ServerMetrics(self.storage, label_values=cfg.metrics_label_values)
+        self.metrics.registry.register(LowerCollector(self.storage, self.metrics.tenant_label))
         limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
                         cfg.max_message_bytes)
         tls_ctx = server_ssl_context(cfg)

@@ -61,6 +61,8 @@ class ServerConfig:
     # Quota (a cap on RAM and on disk, within the shared budgets) of tenants whose token line
     # names none; 0 = no cap but the budget (every tenant is still guaranteed capacity // n).
     default_quota_bytes: int = field(default=0, metadata=value_range(0, None, size=True))
+    # Distinct tenants /metrics names before the rest are summed into tenant="other".
+    metrics_label_values: int = field(default=64, metadata=value_range(0, 100_000))
     tls_cert: str = ""
     tls_key: str = ""
     # CA bundle that client certificates must chain to; set = mutual TLS required.

@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from kvtier.chunk import HEADER_SIZE, decode_header
 from kvtier.errors import ChunkError
+from kvtier.labelcap import LabelCap
 from kvtier.server.auth import Tenant
 from kvtier.server.config import ServerConfig
 from kvtier.server.lower_io import WRITE_OUTCOMES, Prefetcher, WriteThrough
@@ -242,10 +243,12 @@ def store_factory(cfg: ServerConfig) -> Callable[[Tenant, CpuTier | None, DiskTi
 
 
 class LowerCollector(Collector):
-    """``kvtier_server_lower_*`` for the stores that have a lower tier (none: no samples)."""
+    """``kvtier_server_lower_*`` for the stores that have a lower tier (none: no samples);
+    ``tenant_label`` caps the tenant label (tenants folded into "other" are summed)."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, tenant_label: LabelCap | None = None) -> None:
         self.storage = storage
+        self.tenant_label = tenant_label if tenant_label is not None else LabelCap()
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         writes = CounterMetricFamily("kvtier_server_lower_writes", "Chunks for the lower tier, by "
@@ -253,10 +256,17 @@ class LowerCollector(Collector):
                                      labels=["tenant", "outcome"])
         queue = GaugeMetricFamily("kvtier_server_lower_queue_bytes",
                                   "Bytes queued or in flight to the lower tier", labels=["tenant"])
-        for name, store in self.storage.stores.items():
+        counts: dict[tuple[str, str], float] = {}
+        queued: dict[str, float] = {}
+        for name, store in list(self.storage.stores.items()):
             if isinstance(store, LoweredStore):
+                tenant = self.tenant_label(name)
                 snap = store.writer.snapshot()
                 for outcome in WRITE_OUTCOMES:
-                    writes.add_metric([name, outcome], snap[outcome])
-                queue.add_metric([name], snap["queue_bytes"])
+                    counts[tenant, outcome] = counts.get((tenant, outcome), 0) + snap[outcome]
+                queued[tenant] = queued.get(tenant, 0) + snap["queue_bytes"]
+        for (tenant, outcome), n in counts.items():
+            writes.add_metric([tenant, outcome], n)
+        for tenant, n in queued.items():
+            queue.add_metric([tenant], n)
         yield from (writes, queue)

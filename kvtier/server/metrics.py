@@ -2,7 +2,9 @@
 
 Request counters and latencies are updated by the servicer and the data path; tenant usage is
 read from the storage at scrape time by a collector, so it is never stale and costs nothing
-between scrapes. Names follow ``kvtier_<subsystem>_<what>_<unit>``.
+between scrapes. Names follow ``kvtier_<subsystem>_<what>_<unit>`` (docs/metrics.md). The
+``tenant`` label is capped (:mod:`kvtier.labelcap`, ``metrics_label_values`` in the server
+config): tenants past the first N admitted are summed into ``tenant="other"``.
 """
 
 from __future__ import annotations
@@ -13,62 +15,90 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.labelcap import DEFAULT_LIMIT, LabelCap
 from kvtier.metrics import LATENCY_BUCKETS
 from kvtier.server.storage import Storage
 
 
 class _StorageCollector(Collector):
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, tenant_label: LabelCap) -> None:
         self.storage = storage
+        self.tenant_label = tenant_label
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        used = GaugeMetricFamily("kvtier_server_tier_used_bytes", "Chunk bytes held",
-                                 labels=["tenant", "tier"])
-        cap = GaugeMetricFamily("kvtier_server_tier_capacity_bytes",
-                                "Bytes a tenant may hold in a tier (its quota in the bottom tier)",
-                                labels=["tenant", "tier"])
-        entries = GaugeMetricFamily("kvtier_server_tier_entries", "Chunks held", labels=["tenant", "tier"])
-        evictions = CounterMetricFamily("kvtier_server_evictions", "Chunks evicted to stay within capacity",
-                                        labels=["tenant", "tier"])
-        hits = CounterMetricFamily("kvtier_server_hit_chunks", "Chunks found, by the tier that held them",
-                                   labels=["tenant", "tier", "op"])
-        misses = CounterMetricFamily("kvtier_server_miss_chunks", "Chunks not found, by reason "
-                                     "(a lookup counts the chunks after the run stopped)",
-                                     labels=["tenant", "reason", "op"])
-        for name, store in self.storage.stores.items():
+        # Sums per capped label set: two tenants folded into "other" must yield one sample.
+        used: dict[tuple[str, ...], float] = {}
+        cap: dict[tuple[str, ...], float] = {}
+        entries: dict[tuple[str, ...], float] = {}
+        evictions: dict[tuple[str, ...], float] = {}
+        hits: dict[tuple[str, ...], float] = {}
+        misses: dict[tuple[str, ...], float] = {}
+
+        def add(into: dict[tuple[str, ...], float], labels: tuple[str, ...], n: float) -> None:
+            into[labels] = into.get(labels, 0) + n
+
+        for name, store in list(self.storage.stores.items()):
+            tenant = self.tenant_label(name)
             for usage in store.usage().tiers:
-                used.add_metric([name, usage.name], usage.used_bytes)
-                cap.add_metric([name, usage.name], usage.capacity_bytes)
-                entries.add_metric([name, usage.name], usage.entries)
-                evictions.add_metric([name, usage.name], usage.evictions)
+                add(used, (tenant, usage.name), usage.used_bytes)
+                add(cap, (tenant, usage.name), usage.capacity_bytes)
+                add(entries, (tenant, usage.name), usage.entries)
+                add(evictions, (tenant, usage.name), usage.evictions)
             traffic = store.traffic.snapshot()
             for op in ("lookup", "get"):
                 for tier, n in traffic[op]["hit_chunks"].items():
-                    hits.add_metric([name, tier, op], n)
+                    add(hits, (tenant, tier, op), n)
                 for reason, n in traffic[op]["miss_chunks"].items():
-                    misses.add_metric([name, reason, op], n)
-        yield from (used, cap, entries, evictions, hits, misses)
+                    add(misses, (tenant, reason, op), n)
+        families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, list[str],
+                             dict[tuple[str, ...], float]]] = [
+            (GaugeMetricFamily, "kvtier_server_tier_used_bytes", "Chunk bytes held", ["tenant", "tier"], used),
+            (GaugeMetricFamily, "kvtier_server_tier_capacity_bytes",
+             "Bytes a tenant may hold in a tier (its quota in the bottom tier)", ["tenant", "tier"], cap),
+            (GaugeMetricFamily, "kvtier_server_tier_entries", "Chunks held", ["tenant", "tier"], entries),
+            (CounterMetricFamily, "kvtier_server_evictions", "Chunks evicted to stay within capacity",
+             ["tenant", "tier"], evictions),
+            (CounterMetricFamily, "kvtier_server_hit_chunks", "Chunks found, by the tier that held them",
+             ["tenant", "tier", "op"], hits),
+            (CounterMetricFamily, "kvtier_server_miss_chunks", "Chunks not found, by reason "
+             "(a lookup counts the chunks after the run stopped)", ["tenant", "reason", "op"], misses),
+        ]
+        for kind, metric, doc, labels, values in families:
+            family = kind(metric, doc, labels=labels)
+            for label_values, n in values.items():
+                family.add_metric(list(label_values), n)
+            yield family
 
 
 class ServerMetrics:
     """Thread-safe (prometheus_client locks); one per server process."""
 
-    def __init__(self, storage: Storage | None = None) -> None:
+    def __init__(self, storage: Storage | None = None, *, label_values: int = DEFAULT_LIMIT) -> None:
         self.registry = r = CollectorRegistry()
+        self.tenant_label = LabelCap(label_values)
         self.requests = Counter("kvtier_server_requests_total", "Requests answered, by method and status",
                                 ["method", "code"], registry=r)
         self.seconds = Histogram("kvtier_server_request_duration_seconds", "Request latency",
                                  ["method"], registry=r, buckets=LATENCY_BUCKETS)
         self.bytes = Counter("kvtier_server_chunk_bytes_total", "Chunk bytes moved",
                              ["direction", "path"], registry=r)
+        for direction in ("in", "out"):  # declared at 0: a rate sees the first bytes too
+            for path in ("grpc", "socket", "shm"):
+                self.bytes.labels(direction, path)
         self.rejected = Counter("kvtier_server_rejected_chunks_total",
                                 "Chunks refused by verification, by status", ["code"], registry=r)
         self.auth_failures = Counter("kvtier_server_auth_failures_total", "Requests refused by auth",
                                      ["code"], registry=r)
+        # The codes each can carry (requests.BadRequest, auth.AuthError), declared at 0 so the
+        # first refusal shows in a rate() rather than only creating the series.
+        for code in ("INVALID_ARGUMENT", "DATA_LOSS", "RESOURCE_EXHAUSTED"):
+            self.rejected.labels(code)
+        for code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            self.auth_failures.labels(code)
         self.data_connections = Gauge("kvtier_server_data_connections", "Open data-path connections",
                                       registry=r)
         if storage is not None:
-            r.register(_StorageCollector(storage))
+            r.register(_StorageCollector(storage, self.tenant_label))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,6 +20,7 @@ Failure
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -144,9 +145,18 @@ def bind_prefix(tier: Tier, prefix: Sequence[bytes] | None) -> Tier | PrefixOps:
 
 def check_keys(keys: Sequence[bytes]) -> None:
     """Raise ValueError unless every key is exactly KEY_BYTES bytes."""
-    for k in keys:
-        if len(k) != KEY_BYTES:
-            raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got one of {len(k)}")
+    # One C-level pass (map/set) rather than a Python loop: a 128k-token prompt has 512 keys,
+    # and every probe of every tier checks them (issue 16's lookup budget).
+    lengths = set(map(len, keys))
+    if lengths and lengths != {KEY_BYTES}:
+        bad = next(n for n in lengths if n != KEY_BYTES)
+        raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got one of {bad}")
+
+
+def leading_run(present: Callable[[bytes], bool], keys: Sequence[bytes]) -> int:
+    """How many leading ``keys`` satisfy ``present`` (a bound ``__contains__``), counted at C
+    speed: ``takewhile`` into ``list`` runs no bytecode per key."""
+    return len(list(itertools.takewhile(present, keys)))
 
 
 def copy_into(values: Sequence[bytes | Miss], outs: Sequence[memoryview]) -> list[int | Miss]:

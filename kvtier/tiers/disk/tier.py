@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import DiskTierConfig
 from kvtier.errors import ChunkError
-from kvtier.tiers.base import CORRUPT, ERROR, EVICTED, Entry, Miss, Probe, check_keys
+from kvtier.tiers.base import CORRUPT, ERROR, EVICTED, Entry, Miss, Probe, check_keys, leading_run
 from kvtier.tiers.disk import direct_io as io
 from kvtier.tiers.disk.direct_io import ALIGN, align_up
 from kvtier.tiers.disk.index import DiskIndex, Pending
@@ -128,12 +128,7 @@ class DiskTier(DiskIndex):
 
     def _probe(self, keys: Sequence[bytes]) -> Probe:
         with self._lock:
-            index = self._index
-            hits = 0
-            for key in keys:
-                if key not in index:
-                    break
-                hits += 1
+            hits = leading_run(self._index.__contains__, keys)
             if hits == len(keys):
                 return Probe(hits)
         # Not in this index: another process sharing the directory may have written it.
