@@ -30,12 +30,13 @@ class _Bench(Protocol):
 
 def one_chunk_restores(b: _Bench, rep: Any, tier: str, settle: Callable[[int], None]
                        ) -> tuple[list[float], list[float]]:
-    """(warm, floor) TTFTs in seconds, ``b.reps`` each; ``settle(n)`` waits until ``n`` more
-    chunks are stored in ``tier``. Raises RuntimeError when a restore is not a one-chunk
-    ``tier`` hit (the figure would be meaningless)."""
+    """(warm, floor) TTFTs in seconds, ``3 * b.reps`` each (a few ms out of a noisy TTFT: the
+    runs are short, take more); ``settle(n)`` waits until ``n`` more chunks are stored in
+    ``tier``. Raises RuntimeError when a restore is not a one-chunk ``tier`` hit (the figure
+    would be meaningless)."""
     warm: list[float] = []
     floor: list[float] = []
-    for _ in range(b.reps):
+    for _ in range(3 * b.reps):
         prefix = b.tokens(CHUNK)
         b.ttft(rep, prefix + b.tokens(b.question))
         settle(1)
