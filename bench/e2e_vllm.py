@@ -19,6 +19,9 @@ min/median/max; ratios use medians. TTFT = wall time of ``LLM.generate`` for one
                          (RAM) / without kvtier, for non-repeating prompts (batch of 8)
     save_throughput_ratio_disk    the same, saving into a disk tier only (no cpu tier)
     save_throughput_ratio_remote  the same, saving into a kvtier-server only (grpc tier)
+    restore_fixed_ms_local / _remote  the fixed cost of one restore: TTFT of a prompt whose only
+                         hit is one chunk in the cpu tier / the kvtier-server, minus the same
+                         with vLLM's prefix cache holding it, in ms (median; bench/_e2e_fixed.py)
 
 Each save ratio is taken against the plain engine measured in the same phase, alternating
 which engine goes first. Saves are asynchronous (a full write-behind queue drops writes
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvtier_hf.random_llama import TinyLlamaSpec  # noqa: E402
 
+from bench._e2e_fixed import fixed_ms, one_chunk_restores  # noqa: E402
 from bench._stats import fmt, median  # noqa: E402
 from tests.vllm_model import build_model, random_tokens  # noqa: E402
 from tests.vllm_replica import Replica  # noqa: E402
@@ -69,12 +73,15 @@ class Bench:
         self.model = str(build_model(self.work / "model", self.spec))
         self.max_len = self.prefix + self.question + 64
         self.seed = 0
+        self.fixed: dict[str, tuple[list[float], list[float]]] = {}  # tier -> (warm, floor)
 
     def tokens(self, n: int) -> list[int]:
         self.seed += 1
         return random_tokens(n, 10_000 + self.seed, self.spec.vocab_size)
 
     def replica(self, name: str, kvtier: dict[str, Any] | None) -> Replica:
+        if kvtier is not None:  # every hit is loaded: these figures are the restore's own cost
+            kvtier = {**kvtier, "vllm": {"load_decision": "always"}}
         opts = {"model": self.model, "kvtier": kvtier, "prefix_caching": True,
                 "max_model_len": self.max_len, "max_num_batched_tokens": self.max_len}
         rep = Replica(opts, self.work / f"{name}.log", timeout_s=600)
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pair = [(plain, tput_off), (cpu, tput_on)]
         for rep, into in pair if i % 2 == 0 else pair[::-1]:
             into.append(b.throughput(rep))
+    b.fixed["local"] = one_chunk_restores(b, cpu, "cpu", lambda n: time.sleep(0.5))
     cpu.close()
     disk_dir = b.work / "disk"
     disk = b.replica("disk", {"cpu": {"enabled": False},
@@ -186,6 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The floor of each ratio is vLLM's own prefix-cache hit measured in the same engine and
     # minute as the warm figure; the plain engine's floor is reported alongside.
     suffix = median(floor_remote) if floor_remote else median(floor_cpu)
+    for tier, (w, f) in b.fixed.items():
+        print(f"one-chunk restore, {tier:6}: warm {fmt(w, 's', 4)}, floor {fmt(f, 's', 4)}")
     res.update({
         "ttft_cold_s": median(cold), "ttft_suffix_only_s": suffix,
         "ttft_suffix_only_plain_s": median(floor_plain), "ttft_suffix_only_cpu_engine_s": median(floor_cpu),
@@ -199,12 +209,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "save_throughput_ratio_remote": median(tput_remote) / median(tput_off_remote) if tput_remote else None,
         "offered_chunks": b.offered_chunks(), "saved_chunks_disk": saved_disk,
         "saved_chunks_remote": saved_remote if tput_remote else None,
+        "restore_fixed_ms_local": fixed_ms(*b.fixed["local"]),
+        "restore_fixed_ms_remote": fixed_ms(*b.fixed["remote"]) if "remote" in b.fixed else None,
         "runs": {"ttft_cold_s": cold, "ttft_suffix_only_plain_s": floor_plain,
                  "ttft_suffix_only_cpu_engine_s": floor_cpu, "ttft_suffix_only_s": floor_remote,
                  "ttft_warm_cpu_s": warm_cpu, "ttft_warm_remote_s": warm_remote,
                  "tok_s_off": tput_off, "tok_s_on": tput_on,
                  "tok_s_off_disk_phase": tput_off_disk, "tok_s_on_disk": tput_disk,
-                 "tok_s_off_remote_phase": tput_off_remote, "tok_s_on_remote": tput_remote},
+                 "tok_s_off_remote_phase": tput_off_remote, "tok_s_on_remote": tput_remote,
+                 "restore_fixed": {t: {"warm_s": w, "floor_s": f} for t, (w, f) in b.fixed.items()}},
     })
     if remote_note:
         res["ttft_warm_remote_note"] = remote_note
@@ -231,9 +244,9 @@ def remote_ttft(b: Bench, plain: Replica) -> tuple[list[float], list[float], lis
         try:
             entries = [server_entries(server)]
 
-            def settle() -> None:
+            def settle(chunks: int = b.prefix // 256) -> None:
                 # The save is queued in the worker; wait until the server holds the chunks.
-                need = entries[0] + b.prefix // 256
+                need = entries[0] + chunks
                 end = time.monotonic() + 30
                 while time.monotonic() < end:
                     entries[0] = server_entries(server)
@@ -247,6 +260,7 @@ def remote_ttft(b: Bench, plain: Replica) -> tuple[list[float], list[float], lis
                 w, f = b.warm(rep, "warm remote", "grpc", settle)
                 warm.append(w)
                 floor.append(f)
+            b.fixed["remote"] = one_chunk_restores(b, rep, "grpc", settle)
             before = server_entries(server)
             on, off = b.throughput_pair(plain, rep)
             time.sleep(1.0)  # let the last queued saves land before counting

@@ -46,6 +46,7 @@ class PrefixHit:
     chunks: int
     per_tier: dict[str, int] = field(default_factory=dict)
     reason: str = ABSENT
+    runs: tuple[tuple[str, int], ...] = ()  # (tier, chunks) in prefix order
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class PrefixCache:
         spans = self.spans(len(tokens), full_chunks_only=full_chunks_only)
         hit_tokens = spans[res.hits - 1][1] if res.hits else 0
         self._count(res.runs, spans, hit_tokens, len(tokens), res.reason)
-        return PrefixHit(hit_tokens, res.hits, res.per_tier, res.reason)
+        return PrefixHit(hit_tokens, res.hits, res.per_tier, res.reason, res.runs)
 
     def load(self, tokens: Tokens, *, max_tokens: int | None = None,
              full_chunks_only: bool = False) -> LoadedPrefix:

@@ -15,7 +15,8 @@ Scripted faults are exact and deterministic::
 
 Probabilistic faults draw from a seeded ``random.Random`` (``seed``), so a run is repeatable:
 ``miss_rate`` + ``miss_reason``, ``put_fail_rate``, ``corrupt_rate``; ``delay_s`` sleeps in every
-verb (a slow medium). Faults apply to ``probe``/``contains`` (the run stops at a faulted key),
+verb (a slow medium), ``read_bytes_per_s`` throttles ``get``/``get_into`` to that bandwidth
+(a tier slower than the engine's prefill, for load-or-recompute tests). Faults apply to ``probe``/``contains`` (the run stops at a faulted key),
 ``get`` and ``get_into``. ``calls`` counts verb calls by name; ``injected`` counts faults.
 """
 
@@ -37,13 +38,15 @@ _FOREVER = -1
 class FaultyTier(MemoryTier):
     def __init__(self, capacity_bytes: int = 1 << 30, policy: str = "lru", name: str = "faulty", *,
                  seed: int = 0, miss_rate: float = 0.0, miss_reason: str = TIMEOUT,
-                 put_fail_rate: float = 0.0, corrupt_rate: float = 0.0, delay_s: float = 0.0) -> None:
+                 put_fail_rate: float = 0.0, corrupt_rate: float = 0.0, delay_s: float = 0.0,
+                 read_bytes_per_s: float = 0.0) -> None:
         super().__init__(capacity_bytes, policy, name)
         self.miss_rate = miss_rate
         self.miss_reason = miss_reason
         self.put_fail_rate = put_fail_rate
         self.corrupt_rate = corrupt_rate
         self.delay_s = delay_s
+        self.read_bytes_per_s = read_bytes_per_s
         self.down = False
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
@@ -76,6 +79,7 @@ class FaultyTier(MemoryTier):
             self._corrupt.clear()
             self.miss_rate = self.put_fail_rate = self.corrupt_rate = 0.0
             self.delay_s = 0.0
+            self.read_bytes_per_s = 0.0
             self.down = False
 
     # --- fault decisions ---------------------------------------------------------------------
@@ -157,6 +161,8 @@ class FaultyTier(MemoryTier):
                 out.append(bytes(bad))
             else:
                 out.append(value)
+        if self.read_bytes_per_s:
+            time.sleep(sum(len(v) for v in out if isinstance(v, bytes)) / self.read_bytes_per_s)
         return out
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:

@@ -189,7 +189,7 @@ def test_staging_pool_is_bounded_and_hands_out_each_slot_once() -> None:
 
 @pytest.mark.parametrize("shape", ["flat", "one_head"])
 def test_mla_latent_is_one_plane_and_round_trips_on_both_copiers(shape: str) -> None:
-    from kvtier_vllm.worker import _heads_dim
+    from kvtier_vllm.blocks import heads_dim as _heads_dim
 
     B, N, W = 12, 4, 576
     def make() -> torch.Tensor:

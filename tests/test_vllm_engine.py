@@ -93,7 +93,7 @@ class Cluster:
             opts = {"model": self.model, "kvtier": self.kvtier(cpu=True, disk=True, grpc=True)}
         elif name == "reader":
             opts = {"model": self.model, "prefix_caching": False,
-                    "kvtier": self.kvtier(cpu=False, disk=False, grpc=True)}
+                    "kvtier": self.kvtier(cpu=False, disk=False, grpc=True, async_load="always")}
         elif name == "small":  # a KV cache of 2,048 tokens: four long requests get preempted
             opts = {"model": self.model, "prefix_caching": False, "kv_cache_bytes": 4 << 20,
                     "max_model_len": 1024,

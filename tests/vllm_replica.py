@@ -48,11 +48,14 @@ class Replica:
     prefix_caching (bool), max_model_len (int), seed (int), kv_cache_bytes (int: KV cache size),
     load_failure_policy (str), kv_transfer (a whole KVTransferConfig dict, instead of kvtier),
     faulty_tier (FaultyTier keyword arguments: the store is one such tier; faulty_site/),
-    kv_events_endpoint (str: publish vLLM's KV events there over ZMQ)."""
+    kv_events_endpoint (str: publish vLLM's KV events there over ZMQ),
+    connector_module (the module vLLM loads ``KVTierConnector`` from; default kvtier_vllm),
+    env (extra environment variables of the engine processes)."""
 
     def __init__(self, options: dict[str, Any], log_path: str | os.PathLike[str], timeout_s: float = 240) -> None:
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         env = engine_env()
+        env.update(options.get("env") or {})
         if options.get("kv_cache_bytes"):
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
         if options.get("faulty_tier") is not None:  # kvtier's store: one tests.fakes.FaultyTier
@@ -145,7 +148,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         kw["kv_transfer_config"] = KVTransferConfig(**opts["kv_transfer"])
     elif opts.get("kvtier") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier_vllm", kv_role="kv_both",
+            kv_connector="KVTierConnector", kv_role="kv_both",
+            kv_connector_module_path=opts.get("connector_module", "kvtier_vllm"),
             kv_load_failure_policy=opts.get("load_failure_policy", "recompute"),
             kv_connector_extra_config=opts["kvtier"])
     return LLM(**kw)

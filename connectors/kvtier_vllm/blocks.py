@@ -224,3 +224,15 @@ def payload_tensor(payload: memoryview | bytes | bytearray, shape: Sequence[int]
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=dtype)
     return flat.view(*shape)
+
+
+def heads_dim(shape: tuple[int, ...], block_size: int, mla: bool = False) -> tuple[int, int]:
+    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]; for MLA
+    one "head" of the latent's full width ([B, N, D] or [B, 1, N, D])."""
+    if mla:
+        return 1, shape[-1]
+    if len(shape) == 5 and shape[0] == 2:
+        return shape[3], shape[4]
+    if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+        return shape[1], shape[3] // 2
+    raise ValueError(f"cannot read kv heads / head dim from KV tensor shape {shape}")

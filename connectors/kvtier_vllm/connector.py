@@ -12,6 +12,7 @@ configuration is validated in both, so a bad value fails engine start with a ``C
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -130,6 +131,15 @@ class KVTierConnector(KVConnectorBase_V1):
     def _meta(self) -> KVTierMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, KVTierMetadata) else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        w = self._worker
+        if w is not None and w.enabled and isinstance(connector_metadata, KVTierMetadata):
+            # vLLM binds a step's metadata just before its forward pass (start_load_kv comes
+            # after the forward when the step has no sync load): the start of the step the
+            # worker times the engine's prefill by (loadplan.py).
+            w.costs.step_begin(connector_metadata.step_tokens, time.perf_counter())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()

@@ -7,14 +7,15 @@ follows usually finds its chunks in host memory already.
 
 Reply: ``tokens`` (usable prefix end, block aligned, <= ``limit``), ``full`` (the part of it made
 of full chunks), ``partial`` (end of the partial chunk included, 0 when none), ``tiers``
-(chunks per tier), ``reason`` (why the full-chunk run stopped). Failure: store trouble is a
+(chunks per tier), ``skipped`` (hit tokens left to recompute because loading them is slower,
+loadplan.py), ``load_s`` (estimated load seconds), ``reason`` (why the full-chunk run stopped). Failure: store trouble is a
 miss (the store never raises for it); a malformed request raises ValueError, which the server
 turns into an error reply (a miss for the scheduler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,9 @@ from kvtier.prefetch import Prefetcher
 from .partial import probe_partial
 from .restorebufs import RestoreBuffers
 from .stats import StatsCollector
+
+# (runs, start, full end) -> (end to load, tokens skipped for speed, chunks per tier, load seconds)
+Decide = Callable[[Sequence[tuple[str, int]], int, int], tuple[int, int, dict[str, int], float]]
 
 
 def prefetch_signature(salt: bytes, c0: int, end: int, partial: bool) -> tuple[object, ...]:
@@ -49,11 +53,15 @@ class LookupAnswerer:
                  prefetcher: Prefetcher, restore_bufs: Callable[[], RestoreBuffers],
                  max_partial_probes: int, stats: StatsCollector,
                  on_lookup: Callable[[str, PrefixCache, np.ndarray, int, int], None] | None = None,
-                 on_partial: Callable[[PrefixCache, np.ndarray, int], None] | None = None) -> None:
+                 on_partial: Callable[[PrefixCache, np.ndarray, int], None] | None = None,
+                 decide: Decide | None = None) -> None:
         """``restore_bufs`` returns the worker's current buffers (tests swap them).
         ``on_lookup(req_id, cache, tokens, c0, c1)`` runs before the lookup and its prefetch
         (KV events bind the request's chunk keys there, before a promotion can report them);
-        ``on_partial(cache, tokens, end)`` before a found partial chunk is prefetched."""
+        ``on_partial(cache, tokens, end)`` before a found partial chunk is prefetched.
+        ``decide(runs, start, full)``: load or recompute (loadplan.py) -> (end of the part to
+        load, tokens skipped for speed, chunks per tier up to that end, estimated load seconds);
+        a hit cut short for speed gets no partial chunk after it."""
         self.cache_for = cache_for
         self.chunk, self.block = chunk, block_size
         self.prefetcher = prefetcher
@@ -61,6 +69,7 @@ class LookupAnswerer:
         self.max_partial_probes = max_partial_probes
         self.stats = stats
         self.on_lookup, self.on_partial = on_lookup, on_partial
+        self.decide = decide
 
     def handle(self, header: dict[str, Any], blob: bytes) -> dict[str, Any]:
         if header.get("op") != "lookup":
@@ -77,8 +86,13 @@ class LookupAnswerer:
         hit = cache.lookup(tokens, full_chunks_only=True)
         full = min(hit.tokens, limit) // bs * bs
         tiers = dict(hit.per_tier)
+        skipped, load_s = 0, 0.0
+        if self.decide is not None:
+            full, skipped, cut_tiers, load_s = self.decide(hit.runs, start, full)
+            if skipped:
+                tiers = cut_tiers
         partial = 0
-        if hit.tokens < limit and hit.tokens + bs <= limit:
+        if not skipped and hit.tokens < limit and hit.tokens + bs <= limit:
             found = probe_partial(cache, tokens, hit.tokens, limit, bs, self.max_partial_probes)
             if found.end:
                 partial = found.end
@@ -98,4 +112,5 @@ class LookupAnswerer:
                 sig = prefetch_signature(salt, c0, c1 * c, False)
                 self.prefetcher.submit(str(header["req"]), sig,
                                        lambda: self.restore_bufs().load(cache, tokens[:c1 * c], c0, c1))
-        return {"tokens": usable, "full": full, "partial": partial, "tiers": tiers, "reason": hit.reason}
+        return {"tokens": usable, "full": full, "partial": partial, "tiers": tiers, "skipped": skipped,
+                "load_s": load_s, "reason": hit.reason}

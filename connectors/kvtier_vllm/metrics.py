@@ -36,6 +36,10 @@ class ConnectorMetrics:
             "kvtier_connector_load_pageable_chunks_total",
             "Chunks restored from pageable host memory (restore staging pool full, or a codec "
             "decompressed them)", registry=r)
+        self.load_skipped_tokens = Counter(
+            "kvtier_connector_load_skipped_tokens_total",
+            "Hit tokens recomputed instead of loaded because loading them was estimated slower",
+            registry=r)
         self.save_chunks = Counter(
             "kvtier_connector_saved_chunks_total", "Chunks handed to the store", registry=r)
         self.save_dropped = Counter(

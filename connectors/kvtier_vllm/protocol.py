@@ -54,6 +54,8 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     # Requests whose prefetch will never be used (finished, or the scheduler took no hit).
     dropped: list[str] = field(default_factory=list)
+    step_tokens: int = 0       # tokens this step computes (the worker times its prefill rate)
+    skipped_tokens: int = 0    # hit tokens the scheduler left to recompute for speed
 
 
 @dataclass

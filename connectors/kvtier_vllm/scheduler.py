@@ -54,6 +54,7 @@ class _Match:
     is_async: bool
     at: float
     partial_end: int = 0  # the run's last chunk is the partial chunk ending here (partial.py)
+    skipped: int = 0    # hit tokens after ``usable`` left to recompute: loading them is slower
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _Req:
     outcome: LoadOutcome | None = None
     partial_ends: set[int] = field(default_factory=set)  # partial chunks to save (once computed)
     partial_saved: set[int] = field(default_factory=set)
+    skipped_tokens: int = 0
 
 
 class SchedulerSide:
@@ -92,6 +94,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._pending: set[str] = set()  # requests with a planned load not yet sent
         self._dropped: list[str] = []
+        self._skipped = 0  # skipped tokens committed since the last metadata
         self.stats = StatsCollector()
         # KV events (events.py): chunk descriptions taken while requests are alive.
         self.events = EventTracker(
@@ -141,6 +144,7 @@ class SchedulerSide:
             self.events.snapshot(req, start // self.chunk, covered // self.chunk)
         replies: list[dict[str, Any]] = []
         tiers = dict[str, int]()
+        skipped, load_s = 0, 0.0
         t0 = time.perf_counter()
         for client in self._clients:
             reply = client.call(header, blob)
@@ -148,6 +152,8 @@ class SchedulerSide:
                 replies = []
                 break
             replies.append(reply)
+            skipped = max(skipped, int(reply.get("skipped", 0)))
+            load_s = max(load_s, float(reply.get("load_s", 0.0)))
             for tier, n in (reply.get("tiers") or {}).items():
                 tiers[tier] = max(tiers.get(tier, 0), int(n))
         usable, partial_end = agree_on_hit(replies, limit, self.chunk)
@@ -155,12 +161,14 @@ class SchedulerSide:
         log.debug("kvtier: lookup of %s (%d tokens): %d usable, tiers %s, %.2f ms", req.request_id,
                   covered, usable, tiers, 1e3 * (time.perf_counter() - t0))
         mode = self.settings.async_load
-        is_async = mode == "always" or (mode == "auto" and not set(tiers) <= FAST_TIERS)
+        # A short load costs less inline than the extra engine steps an async one takes.
+        is_async = mode == "always" or (mode == "auto" and not set(tiers) <= FAST_TIERS
+                                        and load_s >= self.settings.async_min_load_s)
         self.stats.add(lookups=1)
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)
         return _Match(start, max(start, usable), tiers, is_async, now,
-                      partial_end if usable == partial_end else 0)
+                      partial_end if usable == partial_end else 0, skipped if replies else 0)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -185,6 +193,10 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._state(request)
         m = st.match
+        if m is not None and m.skipped:
+            st.skipped_tokens += m.skipped
+            self._skipped += m.skipped
+            self.stats.add(load_skipped_tokens=m.skipped)
         if num_external_tokens <= 0 or m is None:
             if m is not None and m.usable > m.start and not st.async_inflight:
                 self._dropped.append(request.request_id)  # prefetched for nothing
@@ -237,6 +249,8 @@ class SchedulerSide:
                         meta.saves.append(spec)
                     meta.saves.extend(self._plan_partials(cur, n, block_state))
         meta.dropped, self._dropped = self._dropped, []
+        meta.skipped_tokens, self._skipped = self._skipped, 0
+        meta.step_tokens = sum(so.num_scheduled_tokens.values())
         return meta
 
     def _track_blocks(self, so: SchedulerOutput) -> None:
@@ -349,6 +363,7 @@ class SchedulerSide:
             "failed_tokens": (st.outcome.end - st.outcome.ok_end) if st.outcome else 0,
             "failure_reason": st.outcome.reason if st.outcome and st.outcome.ok_end < st.outcome.end else "",
             "saved_tokens": st.saved_upto,
+            "skipped_tokens": st.skipped_tokens,
         }}
         failed = st.outcome is not None and st.outcome.ok_end < st.outcome.end
         self.usage.on_finished(int(getattr(request, "num_prompt_tokens", 0) or 0), st.hit_tokens,

@@ -36,9 +36,19 @@ class VllmSettings:
     load: bool = True                   # restore hits into the engine
     save: bool = True                   # save newly computed full chunks
     save_decode: bool = True            # also save chunks made of generated tokens
-    # "auto": async (load_async=True) only when a hit sits below the fast (in-memory) tiers.
+    # "auto": async (load_async=True) only when a hit sits below the fast (in-memory) tiers and
+    # its estimated load time (loadplan.py) is at least async_min_load_s: a shorter load costs
+    # less inline, overlapped layer by layer with the forward, than the engine steps an async
+    # load adds (it waits in WAITING_FOR_REMOTE_KVS for at least two more engine steps).
     async_load: str = field(default="auto", metadata={"choices": ("auto", "always", "never")})
+    async_min_load_s: float = field(default=0.01, metadata=_rng(0, 3600))
     prefetch: bool = True               # start loading at lookup time
+    # "auto": load only the leading part of a hit estimated faster to load than to recompute
+    # (per-tier bandwidth and fixed cost, and the engine's prefill rate, measured online:
+    # loadplan.py); "always": load every hit.
+    load_decision: str = field(default="auto", metadata={"choices": ("auto", "always")})
+    reprobe_s: float = field(default=10.0, metadata=_rng(0, 86400))  # re-measure a skipped tier
+    prefill_prior_tokens_per_s: float = field(default=5000.0, metadata=_rng(1, None))  # until measured
     prefetch_max_bytes: int = field(default=1 * GiB, metadata=_rng(0, None, size=True))
     prefetch_workers: int = field(default=2, metadata=_rng(1, 64))
     lookup_timeout_s: float = field(default=0.5, metadata=_rng(0.001, 60))

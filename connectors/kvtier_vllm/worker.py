@@ -36,12 +36,13 @@ from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
 
-from .blocks import PagedLayout, detect_layout, dtype_name, kv_views
+from .blocks import PagedLayout, detect_layout, dtype_name, heads_dim, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
 from .events import WorkerEvents
 from .ipc import LookupServer, socket_path
+from .loadplan import CostModel
 from .lookups import LookupAnswerer, signature_covers
 from .partial import chunk_tokens_at, partial_key
 from .protocol import (
@@ -102,7 +103,7 @@ class WorkerSide:
         first = kv_caches[names[0]]
         info = self.info
         shape = tuple(first.shape)
-        heads, head_dim = _heads_dim(shape, info.block_size, info.mla)
+        heads, head_dim = heads_dim(shape, info.block_size, info.mla)
         self.layout: PagedLayout = detect_layout(first, backend=info.backend, block_size=info.block_size,
                                                  num_kv_heads=heads, head_dim=head_dim, isa=info.isa,
                                                  mla=info.mla)
@@ -124,6 +125,8 @@ class WorkerSide:
             kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
             world_size=world, hash_name=self.cfg.hash)  # type: ignore[arg-type]
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
+        self.chunk_bytes = int(np.prod(self.chunk_shape)) * first.element_size()
+        self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s)
         self.metrics = Metrics(label_values=self.cfg.metrics_label_values)
         self.cmetrics = ConnectorMetrics(self.metrics)
         self.store = TieredStore.from_config(self.cfg, self.metrics)
@@ -146,7 +149,8 @@ class WorkerSide:
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.answerer = LookupAnswerer(self.cache_for, self.chunk, info.block_size, self.prefetcher,
                                        lambda: self.restore_bufs, self.settings.partial_probes, self.stats,
-                                       on_lookup=self._bind_lookup, on_partial=self._mute_partial)
+                                       on_lookup=self._bind_lookup, on_partial=self._mute_partial,
+                                       decide=self._decide)
         self.server = LookupServer(path, self.answerer.handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
             from prometheus_client import start_http_server
@@ -216,6 +220,7 @@ class WorkerSide:
 
     def _plan(self, spec: LoadSpec, res: LoadedRange) -> tuple[list[RestoreItem], LoadOutcome]:
         c, bs = self.chunk, self.info.block_size
+        self.costs.observe_load(res.per_tier, res.nbytes, res.seconds, time.monotonic())
         ok_end = min(spec.end, (res.start_chunk + len(res.payloads)) * c)
         ok_end = max(spec.start, ok_end)
         items = []
@@ -236,6 +241,10 @@ class WorkerSide:
         assert self.events is not None
         keys = cache.keys(tokens[:c1 * self.chunk], full_chunks_only=True)
         self.events.bind(req_id, c0, keys[c0:c1], keys[c0 - 1] if c0 else b"")
+
+    def _decide(self, runs: Sequence[tuple[str, int]], start: int, full: int) -> tuple[int, int, dict[str, int], float]:
+        return self.costs.answer(runs, start, full, self.chunk, self.chunk_bytes,  # loadplan.py
+                                 cut=self.settings.load_decision == "auto")
 
     def _bind_lookup(self, req_id: str, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> None:
         if self.events is not None:
@@ -258,6 +267,7 @@ class WorkerSide:
             return
         if self.events is not None and meta.saves:  # keys first: the saver's puts report them
             self._bind_saves(meta.saves)
+        self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
             if spec.is_async:
@@ -377,6 +387,7 @@ class WorkerSide:
         """wait_for_save: finish this step's restore, then hand the captured chunks over."""
         if not self.enabled:
             return
+        self.costs.step_end(time.perf_counter(), measured=self._run is None)  # a restore wait is no prefill
         short = self._finish_sync_run()
         self.capture.end(meta.saves if meta is not None else [], short)
 
@@ -419,14 +430,3 @@ class WorkerSide:
         self.store.flush(timeout_s=30)
         self.store.close()
 
-
-def _heads_dim(shape: tuple[int, ...], block_size: int, mla: bool = False) -> tuple[int, int]:
-    """(kv heads, head dim) from a KV tensor shape: [B, H, N, 2D] or [2, B, N, H, D]; for MLA
-    one "head" of the latent's full width ([B, N, D] or [B, 1, N, D])."""
-    if mla:
-        return 1, shape[-1]
-    if len(shape) == 5 and shape[0] == 2:
-        return shape[3], shape[4]
-    if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-        return shape[1], shape[3] // 2
-    raise ValueError(f"cannot read kv heads / head dim from KV tensor shape {shape}")

