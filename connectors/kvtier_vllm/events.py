@@ -34,11 +34,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.cache import PrefixCache
 from kvtier.tiers.base import Entry
+
+from .partial import partial_key
+
+if TYPE_CHECKING:  # protocol.py imports this module
+    from .protocol import SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +155,24 @@ class WorkerEvents:
                 return
             self._keys += len(keys)
             self._batch.bindings.append(KeyBinding(req_id, first_chunk, list(keys), parent))
+
+    def bind_request(self, req_id: str, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> None:
+        """Bind the keys of full chunks ``[c0, c1)`` of ``tokens`` (a lookup or a save of ``req_id``)."""
+        keys = cache.keys(tokens[:c1 * cache.chunk_tokens], full_chunks_only=True)
+        self.bind(req_id, c0, keys[c0:c1], keys[c0 - 1] if c0 else b"")
+
+    def mute_partial(self, cache: PrefixCache, tokens: np.ndarray, end: int) -> None:
+        """Mute the partial chunk of ``tokens`` ending at ``end`` (see :meth:`mute`)."""
+        self.mute(partial_key(cache, tokens, end))
+
+    def bind_saves(self, saves: Sequence[SaveSpec], cache_for: Callable[[bytes], PrefixCache]) -> None:
+        """Bind (or, for partial chunks, mute) the chunks this step's saves will put."""
+        for spec in saves:
+            tokens = np.frombuffer(spec.tokens, dtype="<u4")
+            if spec.partial:
+                self.mute_partial(cache_for(spec.salt), tokens, len(tokens))
+            else:
+                self.bind_request(spec.req_id, cache_for(spec.salt), tokens, spec.start_chunk, spec.end_chunk)
 
     def drain(self) -> EventBatch | None:
         with self._lock:

@@ -44,13 +44,12 @@ from .events import WorkerEvents
 from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
 from .lookups import LookupAnswerer, signature_covers
-from .partial import chunk_tokens_at, partial_key
+from .partial import chunk_tokens_at
 from .protocol import (
     KVTierMetadata,
     KVTierWorkerMeta,
     LoadOutcome,
     LoadSpec,
-    SaveSpec,
 )
 from .restorebufs import RestoreBuffers
 from .saver import Saver
@@ -149,7 +148,8 @@ class WorkerSide:
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.answerer = LookupAnswerer(self.cache_for, self.chunk, info.block_size, self.prefetcher,
                                        lambda: self.restore_bufs, self.settings.partial_probes, self.stats,
-                                       on_lookup=self._bind_lookup, on_partial=self._mute_partial,
+                                       on_lookup=self.events.bind_request if self.events else None,
+                                       on_partial=self.events.mute_partial if self.events else None,
                                        decide=self._decide)
         self.server = LookupServer(path, self.answerer.handle, thread_init=pin)
         if self.settings.metrics_port and info.rank == 0:
@@ -236,37 +236,15 @@ class WorkerSide:
                               res.reason if ok_end < spec.end else "", res.seconds, res.nbytes)
         return items, outcome
 
-    def _bind(self, req_id: str, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> None:
-        """Tell the KV events which keys chunks [c0, c1) of ``req_id`` have."""
-        assert self.events is not None
-        keys = cache.keys(tokens[:c1 * self.chunk], full_chunks_only=True)
-        self.events.bind(req_id, c0, keys[c0:c1], keys[c0 - 1] if c0 else b"")
-
     def _decide(self, runs: Sequence[tuple[str, int]], start: int, full: int) -> tuple[int, int, dict[str, int], float]:
         return self.costs.answer(runs, start, full, self.chunk, self.chunk_bytes,  # loadplan.py
                                  cut=self.settings.load_decision == "auto")
-
-    def _bind_lookup(self, req_id: str, cache: PrefixCache, tokens: np.ndarray, c0: int, c1: int) -> None:
-        if self.events is not None:
-            self._bind(req_id, cache, tokens, c0, c1)
-
-    def _mute_partial(self, cache: PrefixCache, tokens: np.ndarray, end: int) -> None:
-        if self.events is not None:
-            self.events.mute(partial_key(cache, tokens, end))
-
-    def _bind_saves(self, saves: Sequence[SaveSpec]) -> None:
-        for spec in saves:
-            tokens = np.frombuffer(spec.tokens, dtype="<u4")
-            if spec.partial:
-                self._mute_partial(self.cache_for(spec.salt), tokens, len(tokens))
-                continue
-            self._bind(spec.req_id, self.cache_for(spec.salt), tokens, spec.start_chunk, spec.end_chunk)
 
     def start_load(self, meta: KVTierMetadata) -> None:
         if not self.enabled:
             return
         if self.events is not None and meta.saves:  # keys first: the saver's puts report them
-            self._bind_saves(meta.saves)
+            self.events.bind_saves(meta.saves, self.cache_for)
         self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
         self.prefetcher.discard(meta.dropped)
         for spec in meta.loads:
