@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from kvtier_hf import KVTierHF, namespace_for
@@ -106,6 +107,32 @@ def test_store_load_round_trip_is_bit_exact(model: torch.nn.Module, store: Tiere
         for a, b in zip(layer_kv(cache, layer), layer_kv(restored, layer)):
             assert torch.equal(a[:, :, :69], b)
     assert hf.save(ids, cache) == 0  # everything is cached already
+
+
+@pytest.mark.parametrize("gap", [None, 1, 3, 6])
+def test_pipelined_restore_stops_at_a_chunk_gone_after_lookup(model: torch.nn.Module, store: TieredStore,
+                                                              monkeypatch: pytest.MonkeyPatch, gap: int | None) -> None:
+    """One chunk per read batch, several reads in flight: every byte before a chunk deleted
+    between lookup and load is restored exactly, nothing after it, and the reads already in
+    flight past the gap are dropped."""
+    import kvtier_hf.restore as restore_mod
+
+    monkeypatch.setattr(restore_mod, "BATCH_BYTES", 1)  # one chunk per batch
+    hf = _hf(model, store)
+    ids = _prompt(8 * CHUNK + 5)
+    cache, _ = _full_forward(model, ids)
+    assert hf.save(ids, cache) == 9
+    hit = hf.prefix_cache.lookup(ids)
+    if gap is not None:
+        store.delete(hf.prefix_cache.keys(ids)[gap:gap + 1])
+    got = restore_mod.restore(hf.prefix_cache, np.asarray(ids), hit.tokens, len(ids) - 1, torch.float32,
+                              model.config)
+    want = len(ids) - 1 if gap is None else gap * CHUNK
+    assert got.tokens == want
+    assert got.reason == "absent"  # the deleted chunk's reason; ABSENT (no reason) for a whole restore
+    for layer in range(TEST_SPEC.num_layers):
+        for a, b in zip(layer_kv(cache, layer), layer_kv(got.cache, layer)):
+            assert torch.equal(a[:, :, :want], b)
 
 
 def test_restored_generation_matches_transformers(model: torch.nn.Module, store: TieredStore) -> None:

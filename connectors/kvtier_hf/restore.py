@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,8 @@ from kvtier.keys import chunk_spans
 from kvtier.tiers.base import ABSENT
 from kvtier_hf.compat import new_cache, set_layer_kv
 
-BATCH_BYTES = 8 << 20  # chunks per read batch, by bytes: big enough to stream, small to overlap
+BATCH_BYTES = 4 << 20  # chunks per read batch, by bytes: big enough to stream, small to overlap
+READS_IN_FLIGHT = 2  # batches read at once while one is copied (a disk streams faster at depth 2)
 # Copy bits, not values (numpy has no bfloat16): an integer view of the element size.
 _BITS: dict[int, tuple[Any, torch.dtype]] = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16),
                                              4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
@@ -70,7 +71,8 @@ def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tok
         return Restored(new_cache(config), 0, {}, ABSENT, 0)
     size = buffer_bytes(prefix_cache)
     batch = max(1, BATCH_BYTES // size)
-    buffers = [[page_aligned_buffer(size) for _ in range(batch)] for _ in range(2)]
+    sets = READS_IN_FLIGHT + 1  # one set being copied, the others being read into
+    buffers = [[page_aligned_buffer(size) for _ in range(batch)] for _ in range(sets)]
     k_out = torch.empty((lay.num_layers, 1, lay.num_kv_heads, use_tokens, lay.head_dim), dtype=dtype)
     v_out = torch.empty_like(k_out)
     bits, as_bits = _BITS[k_out.element_size()]
@@ -78,23 +80,25 @@ def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tok
 
     def read(b: int) -> VerifiedRun:
         lo, hi = b * batch, min((b + 1) * batch, len(keys))
-        return prefix_cache.load_verified_into(keys[lo:hi], spans[lo:hi], buffers[b % 2][: hi - lo], lo,
+        return prefix_cache.load_verified_into(keys[lo:hi], spans[lo:hi], buffers[b % sets][: hi - lo], lo,
                                                prefix=keys)
 
     done, per_tier, reason, nbytes = 0, dict[str, int](), ABSENT, 0
     batches = -(-len(keys) // batch)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-hf-restore") as pool:
-        pending: Future[VerifiedRun] | None = pool.submit(read, 0)
-        # While the first batch is read: fault in the output tensors' pages (a fresh
+    with ThreadPoolExecutor(max_workers=READS_IN_FLIGHT, thread_name_prefix="kvtier-hf-restore") as pool:
+        pending = {b: pool.submit(read, b) for b in range(min(READS_IN_FLIGHT, batches))}
+        # While the first batches are read: fault in the output tensors' pages (a fresh
         # allocation), so the copies below run at copy speed instead of page-fault speed.
         for out in (k_np, v_np):
             out.reshape(-1)[:: mmap.PAGESIZE // out.itemsize] = 0
         for b in range(batches):
-            assert pending is not None
-            run = pending.result()
-            # Read the next batch while this one is copied (its buffers are the other pair).
+            run = pending.pop(b).result()
             full = len(run.payloads) == min(batch, len(keys) - b * batch)
-            pending = pool.submit(read, b + 1) if full and b + 1 < batches else None
+            # Keep READS_IN_FLIGHT reads going while this batch is copied: batch b + depth reads
+            # into the buffer set batch b - 1 used, whose copy is done.
+            nxt = b + READS_IN_FLIGHT
+            if full and nxt < batches:
+                pending[nxt] = pool.submit(read, nxt)
             for payload, shape in zip(run.payloads, run.shapes):
                 take = min(shape[2], use_tokens - done)
                 src = np.frombuffer(payload, dtype=bits).reshape(shape)[:, :, :take]  # (L, 2, T, H, D)
@@ -106,6 +110,8 @@ def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tok
             nbytes += run.nbytes
             if not full:
                 reason = run.reason
+                for later in pending.values():  # reads already started past the gap: unused
+                    later.cancel()
                 break
     cache = new_cache(config)
     if done:
