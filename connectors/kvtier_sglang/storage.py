@@ -57,6 +57,7 @@ from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
 from .settings import load_settings
 from .stats import BackendStats
+from .usage import BackendUsage
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class KVTierStorage(HiCacheStorage):
         self._written: set[bytes] = set()
         self._written_lock = threading.Lock()
         self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
+        self.usage: BackendUsage | None = None  # engine usage reports (usage.py), once registered
         shared = self.cfg.disk.enabled or self.cfg.redis.enabled or self.cfg.grpc.enabled
         # An MLA latent is written once (by SGLang's storage-writer rank) when the other ranks
         # can read it from a shared tier; with only the process-local cpu tier each rank keeps
@@ -111,6 +113,8 @@ class KVTierStorage(HiCacheStorage):
         self.namespace = spec.namespace_id()
         self._geo, self._buffer = geo, mem_pool_host.kv_buffer
         self._bufs = ThreadBuffers(geo.page_bytes)
+        if self.usage is None:
+            self.usage = BackendUsage(cfg, spec.model_id, geo.page_tokens)
         log.info("kvtier_sglang: %s %s pages of %d tokens, namespace %s (%s rank %d/%d), tiers %s",
                  "MLA" if geo.is_mla else "MHA", geo.layout, geo.page_tokens,
                  self.namespace.hex()[:16], spec.model_id, spec.rank, spec.world_size,
@@ -137,10 +141,14 @@ class KVTierStorage(HiCacheStorage):
             return 0
         try:
             cache, _, _ = self._ready()
-            hits = cache.store.lookup(store_keys(self.namespace, keys)).hits
+            xkeys = store_keys(self.namespace, keys)
+            hit = cache.store.lookup(xkeys)
+            hits = hit.hits
         except _FAILURES as exc:
             self._fail("exists", len(keys), exc)
             return 0
+        if self.usage is not None:
+            self.usage.on_exists(len(keys), hit, xkeys[0])
         self.stats.add("exists_pages_hit", hits)
         self.stats.add("exists_pages_missed", len(keys) - hits)
         return hits
@@ -182,7 +190,10 @@ class KVTierStorage(HiCacheStorage):
         except _FAILURES as exc:
             self._fail("get", len(keys), exc)
         done = sum(out)
-        self.stats.read(done, done * (self._geo.page_bytes if self._geo else 0), time.perf_counter() - t0)
+        seconds, nbytes = time.perf_counter() - t0, done * (self._geo.page_bytes if self._geo else 0)
+        self.stats.read(done, nbytes, seconds)
+        if self.usage is not None:
+            self.usage.on_get(len(keys), done, seconds, nbytes, store_keys(self.namespace, keys[:1])[0])
         self.stats.add("pages_missed", len(keys) - done)
         return out
 
@@ -207,10 +218,14 @@ class KVTierStorage(HiCacheStorage):
                                          parent[0] if parent else b"")
         except _FAILURES as exc:
             self._fail("set", len(keys), exc)
+            if self.usage is not None:
+                self.usage.on_set_failed(len(keys))
             return [False] * len(keys)
         ok = accepted == len(keys) - present
         if not ok:
             self._fail("set", len(keys) - present - accepted, RuntimeError("the first tier refused pages"))
+            if self.usage is not None:
+                self.usage.on_set_failed(len(keys) - present)
         self.stats.add("pages_already_stored", present)
         self.stats.wrote(accepted, accepted * geo.page_bytes, time.perf_counter() - t0)
         return [True] * present + [ok] * (len(keys) - present)
@@ -361,5 +376,7 @@ class KVTierStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Flush and close the store this backend opened (idempotent)."""
+        if self.usage is not None:
+            self.usage.close()
         if self._store is not None and self._owns_store:
             self._store.close()
