@@ -18,7 +18,7 @@ from kvtier.metrics import LATENCY_BUCKETS, Metrics
 
 _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "load_bytes",
              "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits",
-             "load_pageable_chunks")
+             "load_pageable_chunks", "save_deduped_chunks")
 _SECONDS = ("load_seconds", "save_seconds", "prefetch_wait_seconds")
 _BY = ("hit_tokens_by_tier", "failures_by_reason")
 

@@ -35,11 +35,15 @@ from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.memory import MemoryTier
 
 from .blocks import PagedLayout, detect_layout, dtype_name, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
+from .inflight import InflightChunks
 from .ipc import LookupServer, socket_path
 from .protocol import (
     KVTierMetadata,
@@ -92,6 +96,7 @@ class WorkerSide:
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
         self._run_slots: list[int] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
+        self.inflight = InflightChunks()  # chunk keys being captured or written (capture.py)
 
     # --- setup ----------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -158,7 +163,19 @@ class WorkerSide:
         self.restore_bufs = RestoreBuffers(rbytes, self.chunk_shape,
                                            self.torch_dtype, copier.host_buffer, self._count_pageable)
         self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
-                                   self.info.block_size, self.stats)
+                                   self.info.block_size, self.stats, self.cache_for, self.inflight,
+                                   self._stored_locally)
+
+    def _stored_locally(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store's leading in-process tiers (cpu, memory, disk)
+        hold: a probe of those costs microseconds on the forward thread. A remote tier is not
+        asked from there; the saver's own lookup skips what it already holds."""
+        pos = 0
+        for tier in self.store.tiers:
+            if pos >= len(keys) or not isinstance(tier, (CpuTier, MemoryTier, DiskTier)):
+                break
+            pos += tier.probe(keys[pos:]).hits
+        return pos
 
     def cache_for(self, salt: bytes) -> PrefixCache:
         with self._lock:
