@@ -79,7 +79,7 @@ def _deduped(worker: Any) -> int:
 
 
 def test_requests_sharing_a_prefix_in_one_step_capture_each_chunk_once(tmp_path: Path) -> None:
-    from test_vllm_connector_flow import C, N, _fill, _req, _run_step, _wait_saved
+    from test_vllm_connector_flow import C, _fill, _req, _run_step, _wait_saved
 
     sched, worker, caches, copier, gate = _setup(tmp_path)
     gate.set()

@@ -57,7 +57,7 @@ from .saver import Saver
 from .settings import VllmSettings
 from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
-from .threads import background_pinner, pin_existing
+from .threads import background_pinner, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
@@ -128,12 +128,15 @@ class WorkerSide:
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
         self.metrics = Metrics()
         self.cmetrics = ConnectorMetrics(self.metrics)
-        self.store = TieredStore.from_config(self.cfg, self.metrics)
-        self.copier: Copier = make_copier(first.device)
         # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
-        # inherit that mask and steal cycles from the forward pass. Run them on the others.
+        # inherit that mask and steal cycles from the forward pass. Run them on the others:
+        # the store is built on those (its writer thread and a grpc tier's native threads
+        # start there), and the Python threads started later are moved by ``pin``.
         pin = background_pinner()
-        pin_existing("kvtier", pin)  # the store's writer thread, already started
+        with on_spare_cpus(pin):
+            self.store = TieredStore.from_config(self.cfg, self.metrics)
+        self.copier: Copier = make_copier(first.device)
+        pin_existing("kvtier", pin)  # and name the store's Python threads for top -H
         self.prefetcher = Prefetcher(self.settings.prefetch_workers, self.settings.prefetch_max_bytes,
                                      thread_init=pin, on_drop=lambda r: self.restore_bufs.release(r))
         self.pipeline = LayerPipeline(thread_init=pin)
@@ -147,7 +150,8 @@ class WorkerSide:
         if self.settings.metrics_port and info.rank == 0:
             from prometheus_client import start_http_server
 
-            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+            with on_spare_cpus(pin):  # its server thread
+                start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         self.enabled = True
         log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
                  len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
