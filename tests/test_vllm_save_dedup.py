@@ -42,6 +42,7 @@ def _recording_copier(gate: threading.Event) -> Any:
 
     class Recording(CpuCopier):
         def __init__(self) -> None:
+            super().__init__(lambda: None)  # captures on a background thread, as in the worker
             self.captured: list[list[int]] = []  # block ids of each begin_capture, per step
 
         def begin_capture(self, block_ids: Sequence[int], per_chunk: int) -> CaptureIndex:
@@ -49,6 +50,7 @@ def _recording_copier(gate: threading.Event) -> Any:
             return super().begin_capture(block_ids, per_chunk)
 
         def end_capture(self) -> Fence:
+            super().end_capture()
             return _GateFence(gate)
 
     return Recording()
@@ -168,3 +170,27 @@ def test_a_dropped_write_releases_its_chunks_for_a_later_request(tmp_path: Path)
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+def test_background_capture_ends_before_wait_for_save_returns() -> None:
+    """The CPU copier captures on its own thread while later layers compute; ``end_capture``
+    must not return before those copies ran (the next step may overwrite the blocks)."""
+    from kvtier_vllm.blocks import detect_layout, kv_views
+    from kvtier_vllm.copier import CpuCopier
+
+    layers, blocks, heads, n, d = 3, 8, 2, 16, 8
+    caches = [torch.randn(blocks, heads, n, 2 * d) for _ in range(layers)]
+    layout = detect_layout(caches[0], backend="CPU_ATTN", block_size=n, num_kv_heads=heads, head_dim=d, isa="vec")
+    views = [kv_views(c, layout) for c in caches]
+    copier = CpuCopier(lambda: time.sleep(0.3))  # a capture thread slow to start
+    index = copier.begin_capture([5, 2], 2)
+    out = torch.empty(layers, 2, 2 * n, heads, d)
+    expect = []
+    for layer in range(layers):
+        copier.capture_layer(views[layer], layer, [(index, [out[layer]])])
+        expect.append(torch.cat([views[layer][p][[5, 2]].reshape(2 * n, heads, d)[None] for p in range(2)]))
+    copier.end_capture()
+    for c in caches:
+        c.zero_()  # what the next step may do to these blocks
+    for layer in range(layers):
+        assert torch.equal(out[layer], expect[layer]), layer

@@ -135,7 +135,7 @@ class WorkerSide:
         pin = background_pinner()
         with on_spare_cpus(pin):
             self.store = TieredStore.from_config(self.cfg, self.metrics)
-        self.copier: Copier = make_copier(first.device)
+        self.copier: Copier = make_copier(first.device, pin)
         pin_existing("kvtier", pin)  # and name the store's Python threads for top -H
         self.prefetcher = Prefetcher(self.settings.prefetch_workers, self.settings.prefetch_max_bytes,
                                      thread_init=pin, on_drop=lambda r: self.restore_bufs.release(r))
