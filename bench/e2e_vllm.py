@@ -22,6 +22,7 @@ min/median/max; ratios use medians. TTFT = wall time of ``LLM.generate`` for one
     restore_fixed_ms_local / _remote  the fixed cost of one restore: TTFT of a prompt whose only
                          hit is one chunk in the cpu tier / the kvtier-server, minus the same
                          with vLLM's prefix cache holding it, in ms (median; bench/_e2e_fixed.py)
+    batch_save_overhead, batch_warm_speedup  a concurrent prefix-heavy batch (bench/_e2e_batch.py)
 
 Each save ratio is taken against the plain engine measured in the same phase, alternating
 which engine goes first. Saves are asynchronous (a full write-behind queue drops writes
@@ -50,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvtier_hf.random_llama import TinyLlamaSpec  # noqa: E402
 
+from bench._e2e_batch import batch_phase  # noqa: E402
 from bench._e2e_fixed import fixed_ms, one_chunk_restores  # noqa: E402
 from bench._stats import fmt, median  # noqa: E402
 from tests.vllm_model import build_model, random_tokens  # noqa: E402
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         disk.close()
     saved_disk = _files(disk_dir) - files_before
+    res.update(batch_phase(b, plain))
     print(f"TTFT cold (no kvtier)              {fmt(cold, 's', 3)}")
     print(f"TTFT suffix only, plain engine     {fmt(floor_plain, 's', 3)}")
     print(f"TTFT suffix only, cpu-tier engine  {fmt(floor_cpu, 's', 3)}")

@@ -1,8 +1,10 @@
 """Device-specific halves of restore (host payload -> paged blocks) and capture (blocks -> host).
 
-``CpuCopier``    single-threaded block copies on the calling thread (never an OpenMP team next
-                 to the engine's): the loader thread restores while the forward thread runs
-                 earlier layers; captures are memcpys on the forward thread.
+``CpuCopier``    single-threaded block copies (never an OpenMP team next to the engine's): the
+                 loader thread restores while the forward thread runs earlier layers; captures
+                 run on a ``kvtier-capture`` thread (off the engine's cores) while the forward
+                 thread computes the later layers, and ``end_capture`` waits for the last
+                 ones (without a ``thread_init`` they are copies on the calling thread).
 ``DeviceCopier`` (devcopier.py) side streams on a ``Device`` (CUDA, or the simulated device the
                  tests use), ordered against the engine's compute stream by events only.
 
@@ -18,13 +20,18 @@ dropped saves); they never leave a stream waiting on an event that is not record
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from .blocks import Views, gather_layer_host, scatter_layer_host
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,35 @@ def chunk_ids(index: CaptureIndex, j: int) -> Sequence[int]:
 
 
 class CpuCopier:
-    """See the module docstring; every call completes before it returns."""
+    """See the module docstring; every call but ``capture_layer`` completes before it returns.
+
+    ``thread_init`` (e.g. ``threads.background_pinner()``): run captures on a thread started
+    with it. Why this is safe: a step's saved blocks hold KV the step already computed, and the
+    forward pass writes layer ``i``'s cache only in layer ``i``, so layer ``i``'s capture may
+    run while later layers compute; ``end_capture`` (``wait_for_save``) returns only once
+    every capture of the step ran, before anything can write those blocks again."""
+
+    def __init__(self, thread_init: Callable[[], None] | None = None) -> None:
+        self._captures: queue.Queue[Callable[[], None]] | None = None
+        self._pending = 0
+        self._done = threading.Semaphore(0)
+        self._error: BaseException | None = None
+        if thread_init is not None:
+            self._captures = queue.Queue()
+            threading.Thread(target=self._capture_loop, args=(thread_init,), name="kvtier-capture",
+                             daemon=True).start()
+
+    def _capture_loop(self, thread_init: Callable[[], None]) -> None:
+        thread_init()
+        assert self._captures is not None
+        while True:
+            work = self._captures.get()
+            try:
+                work()
+            except (RuntimeError, ValueError, IndexError) as exc:  # a bad shape or block id
+                self._error = exc
+            finally:
+                self._done.release()
 
     def begin_restore(self, layers: int) -> None:
         return None
@@ -140,11 +175,26 @@ class CpuCopier:
 
     def capture_layer(self, views: Views, layer: int,
                       jobs: Sequence[tuple[CaptureIndex, Sequence[torch.Tensor]]]) -> None:
-        for index, outs in jobs:
-            for j, out in enumerate(outs):
-                gather_layer_host(views, chunk_ids(index, j), out)
+        def copy() -> None:
+            for index, outs in jobs:
+                for j, out in enumerate(outs):
+                    gather_layer_host(views, chunk_ids(index, j), out)
+
+        if self._captures is None:
+            copy()
+            return
+        self._pending += 1
+        self._captures.put(copy)
 
     def end_capture(self) -> Fence:
+        """Wait for this step's captures (their copies have all ended when this returns, also
+        when it raises the first capture error of the step)."""
+        while self._pending:
+            self._done.acquire()
+            self._pending -= 1
+        error, self._error = self._error, None
+        if error is not None:
+            raise ValueError(f"capture failed: {error}") from error
         return DONE
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ device memory only, except restores from a pageable payload (then the *loader* t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -194,8 +194,9 @@ class DeviceCopier:
         return self.dev.host_buffer(nbytes)
 
 
-def make_copier(device: torch.device) -> Copier:
-    """The copier for the engine's KV device: CUDA side streams, else plain block copies."""
+def make_copier(device: torch.device, thread_init: Callable[[], None] | None = None) -> Copier:
+    """The copier for the engine's KV device: CUDA side streams, else block copies (captures
+    on a thread started with ``thread_init``, when given)."""
     if device.type == "cuda":
         return DeviceCopier(CudaDevice(device))
-    return CpuCopier()
+    return CpuCopier(thread_init)

@@ -72,19 +72,6 @@ class LoadOutcome:
 
 
 @dataclass
-class StoredChunks:
-    """Chunks one worker stored: ``keys[i]`` holds tokens ``[(first + i) * C, ...)`` of
-    ``tokens`` (the whole prefix); ``parent`` is the key of chunk ``first - 1`` (or b"")."""
-
-    req_id: str
-    first_chunk: int
-    keys: list[bytes]
-    tier: str
-    tokens: bytes = b""
-    parent: bytes = b""
-
-
-@dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler feedback of one step (aggregated over TP ranks by vLLM)."""
 

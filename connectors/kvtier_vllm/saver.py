@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -24,32 +24,40 @@ import torch
 from kvtier.cache import PrefixCache
 
 from .copier import CaptureIndex, Fence
-from .protocol import SaveSpec, StoredChunks
+from .protocol import SaveSpec
 from .stats import ConnectorMetrics, StatsCollector
 
 log = logging.getLogger(__name__)
 
 
 class SaveJob:
+    """Chunks ``chunks`` (ascending indexes into the prefix ``spec.tokens``, a subset of
+    ``[spec.start_chunk, spec.end_chunk)``: the ones this job claimed) captured into ``staging``
+    (one ``(L, P, C, H, D)`` tensor per chunk, in the same order); ``keys`` are the keys of every
+    full chunk of ``spec.tokens``. ``release`` gives the staging slots back (after the fence
+    only); ``unclaim`` releases the claimed keys (after the write, or when dropped)."""
+
     def __init__(self, spec: SaveSpec, staging: list[torch.Tensor], layers: int,
-                 release: Callable[[], None], index: CaptureIndex) -> None:
+                 release: Callable[[], None], index: CaptureIndex, chunks: Sequence[int] | None = None,
+                 keys: Sequence[bytes] = (), unclaim: Callable[[], None] | None = None) -> None:
         self.spec = spec
-        self.staging = staging           # one (L, P, C, H, D) tensor per chunk
+        self.staging = staging
+        self.chunks = list(range(spec.start_chunk, spec.start_chunk + len(staging))) if chunks is None else list(chunks)
+        self.keys = keys
         self.captured = [False] * layers
         self.fence: Fence | None = None
-        self.release = release           # gives the staging slots back; after the fence only
+        self.release = release
+        self.unclaim = unclaim or (lambda: None)
         self.index = index
         self.dropped = False
 
 
 class Saver:
     def __init__(self, cache_for: Callable[[bytes], PrefixCache], chunk: int, depth: int,
-                 thread_init: Callable[[], None], stats: StatsCollector, cmetrics: ConnectorMetrics,
-                 on_stored: Callable[[StoredChunks], None] | None = None) -> None:
+                 thread_init: Callable[[], None], stats: StatsCollector, cmetrics: ConnectorMetrics) -> None:
         self._cache_for = cache_for
         self._chunk = chunk
         self._stats, self._cmetrics = stats, cmetrics
-        self._on_stored = on_stored
         self._depth = depth
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, args=(thread_init,), name="kvtier-saver",
@@ -91,25 +99,38 @@ class Saver:
                 self._stats.add_by("failures_by_reason", "save_error")
             finally:
                 job.release()
+                job.unclaim()  # written to tier 0 (or dropped): no longer in flight
 
     def _save(self, job: SaveJob) -> None:
         spec, c = job.spec, self._chunk
         t0 = time.perf_counter()
         tokens = np.frombuffer(spec.tokens, dtype="<u4")
         raw = [t.reshape(-1).view(torch.uint8).numpy() for t in job.staging]
+        slot_of = {j: i for i, j in enumerate(job.chunks)}
 
         def payload_for(start: int, end: int) -> memoryview:
-            return raw[start // c - spec.start_chunk].data
+            return raw[slot_of[start // c]].data
 
         cache = self._cache_for(spec.salt)
-        n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=not spec.partial)
+        if spec.partial:  # one partial chunk (partial.py): KV events never announce it
+            n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=False)
+            self._stats.add(partial_save_chunks=n)
+        else:
+            n = 0
+            for a, b in runs(job.chunks):
+                # Chunks before ``a`` may be another job's, still in flight: save this run only.
+                n += cache.save(tokens[:b * c], payload_for, start_chunk=a, full_chunks_only=True)
         self._stats.add(save_chunks=n, save_bytes=n * int(raw[0].nbytes) if raw else 0,
                         save_seconds=time.perf_counter() - t0)
         self._cmetrics.save_chunks.inc(n)
-        if spec.partial:
-            self._stats.add(partial_save_chunks=n)  # no KV event: events describe full chunks
-        elif self._on_stored is not None:
-            keys = cache.keys(tokens, full_chunks_only=True)
-            parent = keys[spec.start_chunk - 1] if spec.start_chunk else b""
-            self._on_stored(StoredChunks(spec.req_id, spec.start_chunk,
-                                         keys[spec.start_chunk:spec.end_chunk], "", spec.tokens, parent))
+
+
+def runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending chunk indexes as ``[start, end)`` runs of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for j in chunks:
+        if out and out[-1][1] == j:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out

@@ -20,7 +20,8 @@ __all__ = ["ConnectorMetrics", "KVTierStats", "StatsCollector"]
 
 _COUNTERS = ("lookups", "lookup_hit_tokens", "load_requests", "load_tokens", "load_bytes",
              "load_failed_tokens", "save_chunks", "save_bytes", "save_dropped", "prefetch_waits",
-             "load_pageable_chunks", "kv_events", "kv_events_dropped", "load_skipped_tokens")
+             "load_pageable_chunks", "kv_events", "kv_events_dropped", "load_skipped_tokens",
+             "save_deduped_chunks")
 _SECONDS = ("load_seconds", "save_seconds", "prefetch_wait_seconds")
 _BY = ("hit_tokens_by_tier", "failures_by_reason")
 # Block-granular hits (partial.py): lookup tokens past the full chunks, partial chunks saved.

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,34 @@ def background_pinner() -> Callable[[], None]:
 
     pin.spare = spare  # type: ignore[attr-defined]
     return pin
+
+
+@contextmanager
+def on_spare_cpus(pin: Callable[[], None]) -> Iterator[None]:
+    """Run the body with the calling thread on ``pin``'s CPUs, then give it its own mask back.
+
+    Why: threads inherit their creator's mask, and some are not Python threads ``pin`` could
+    move later: gRPC's event-engine, timer and lifeguard threads start when a grpc tier's
+    channel does (on vLLM's forward thread, bound to a compute core) and would then do every
+    remote save's network work on the core the forward pass computes on. Build the store in
+    here and every thread it starts, native or not, starts on the spare CPUs.
+    No-op where ``pin`` has no CPU set (the engine is not pinned) or the platform has no
+    affinity API; a failure to move the thread is logged and the body still runs."""
+    spare = getattr(pin, "spare", None)
+    if not spare or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, spare)
+    except OSError as exc:
+        log.debug("kvtier: cannot move the calling thread to CPUs %s: %s", sorted(spare), exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def _name_os_thread(name: str) -> None:

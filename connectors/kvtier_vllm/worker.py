@@ -35,12 +35,16 @@ from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.memory import MemoryTier
 
 from .blocks import PagedLayout, detect_layout, dtype_name, heads_dim, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
 from .events import WorkerEvents
+from .inflight import InflightChunks
 from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
 from .lookups import LookupAnswerer, signature_covers
@@ -56,7 +60,7 @@ from .saver import Saver
 from .settings import VllmSettings
 from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
-from .threads import background_pinner, pin_existing
+from .threads import background_pinner, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
@@ -95,6 +99,7 @@ class WorkerSide:
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
         self._run_slots: list[int] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
+        self.inflight = InflightChunks()  # chunk keys being captured or written (capture.py)
 
     # --- setup ----------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -128,16 +133,19 @@ class WorkerSide:
         self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s)
         self.metrics = Metrics(label_values=self.cfg.metrics_label_values)
         self.cmetrics = ConnectorMetrics(self.metrics)
-        self.store = TieredStore.from_config(self.cfg, self.metrics)
+        # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
+        # inherit that mask and steal cycles from the forward pass. Run them on the others:
+        # the store is built on those (its writer thread and a grpc tier's native threads
+        # start there), and the Python threads started later are moved by ``pin``.
+        pin = background_pinner()
+        with on_spare_cpus(pin):
+            self.store = TieredStore.from_config(self.cfg, self.metrics)
+        self.copier: Copier = make_copier(first.device, pin)
+        pin_existing("kvtier", pin)  # and name the store's Python threads for top -H
         if info.kv_events and info.rank == 0:
             self.events = WorkerEvents(self.settings.events_queue_keys,
                                        on_drop=lambda n: self.stats.add(kv_events_dropped=n))
             self.store.listen(self.events)
-        self.copier: Copier = make_copier(first.device)
-        # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
-        # inherit that mask and steal cycles from the forward pass. Run them on the others.
-        pin = background_pinner()
-        pin_existing("kvtier", pin)  # the store's writer thread, already started
         self.prefetcher = Prefetcher(self.settings.prefetch_workers, self.settings.prefetch_max_bytes,
                                      thread_init=pin, on_drop=lambda r: self.restore_bufs.release(r))
         self.pipeline = LayerPipeline(thread_init=pin)
@@ -155,7 +163,8 @@ class WorkerSide:
         if self.settings.metrics_port and info.rank == 0:
             from prometheus_client import start_http_server
 
-            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+            with on_spare_cpus(pin):  # its server thread
+                start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         self.enabled = True
         log.info("kvtier: %d layers, layout %s, chunk %d tokens, tiers %s, lookups on %s",
                  len(names), self.layout.kind, self.chunk, [t.name for t in self.store.tiers], path)
@@ -171,7 +180,19 @@ class WorkerSide:
         self.restore_bufs = RestoreBuffers(rbytes, self.chunk_shape,
                                            self.torch_dtype, copier.host_buffer, self._count_pageable)
         self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
-                                   self.info.block_size, self.stats)
+                                   self.info.block_size, self.stats, self.cache_for, self.inflight,
+                                   self._stored_locally)
+
+    def _stored_locally(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store's leading in-process tiers (cpu, memory, disk)
+        hold: a probe of those costs microseconds on the forward thread. A remote tier is not
+        asked from there; the saver's own lookup skips what it already holds."""
+        pos = 0
+        for tier in self.store.tiers:
+            if pos >= len(keys) or not isinstance(tier, (CpuTier, MemoryTier, DiskTier)):
+                break
+            pos += tier.probe(keys[pos:]).hits
+        return pos
 
     def cache_for(self, salt: bytes) -> PrefixCache:
         with self._lock:
