@@ -47,12 +47,21 @@ def tasks():
 before = tasks()
 pin = background_pinner()
 cfg = KVTierConfig.load(None, overrides={"cpu": {"enabled": False}, "grpc": {"enabled": True, "nodes": [address]}})
+import threading
 if spare_build:
     with on_spare_cpus(pin):
         store = TieredStore.from_config(cfg)
+    # As in the worker: lookups run on kvtier's own threads (LookupServer, thread_init=pin), so
+    # whatever a request starts lazily (a hedged attempt's thread) inherits the spare CPUs.
+    def lookup():
+        pin()
+        store.lookup([b"k" * 32])
+    t = threading.Thread(target=lookup)
+    t.start()
+    t.join()
 else:
     store = TieredStore.from_config(cfg)
-store.lookup([b"k" * 32])  # one round trip: the channel and its threads are up
+    store.lookup([b"k" * 32])  # one round trip: the channel and its threads are up
 new = [v for k, v in tasks().items() if k not in before]
 print(json.dumps({"compute": compute, "spare": sorted(getattr(pin, "spare", [])), "new": new,
                   "caller": sorted(os.sched_getaffinity(0))}))
