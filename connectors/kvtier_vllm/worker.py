@@ -31,7 +31,7 @@ import torch
 
 from kvtier.cache import PrefixCache
 from kvtier.config import KVTierConfig
-from kvtier.keys import KVLayout, NamespaceSpec
+from kvtier.keys import NamespaceSpec
 from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
@@ -39,7 +39,7 @@ from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryTier
 
-from .blocks import PagedLayout, detect_layout, dtype_name, heads_dim, kv_views
+from .blocks import PagedLayout, detect_layout, heads_dim, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem, RestorePlan
 from .devcopier import make_copier
@@ -48,6 +48,7 @@ from .inflight import InflightChunks
 from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
 from .lookups import LookupAnswerer, signature_covers
+from .namespace import engine_namespace
 from .partial import chunk_tokens_at
 from .protocol import (
     KVTierMetadata,
@@ -115,19 +116,8 @@ class WorkerSide:
         self.index = {n: i for i, n in enumerate(names)}
         self.views = [kv_views(kv_caches[n], self.layout) for n in names]
         self.torch_dtype = first.dtype
-        revision = info.model_revision
-        if not self.layout.canonical:
-            revision += f"+kvlayout={info.backend}:{info.isa}:{tuple(first.stride())}"
-        if info.cache_dtype not in ("auto", ""):
-            revision += f"+kvcache={info.cache_dtype}"
-        # Every TP rank of an MLA model holds the same latent: one namespace for all ranks, so a
-        # shared tier (disk path, redis, kvtier-server) keeps one copy, not one per rank.
-        rank, world = (0, 1) if info.mla else (info.rank, info.world_size)
-        self.base_spec = NamespaceSpec(
-            model_id=info.model_id,
-            layout=KVLayout(len(names), heads, head_dim, self.chunk, kv=self.layout.planes),
-            kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
-            world_size=world, hash_name=self.cfg.hash)  # type: ignore[arg-type]
+        self.base_spec = engine_namespace(info, self.layout, first, len(names), heads, head_dim, self.chunk,
+                                          self.cfg.hash)
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
         self.chunk_bytes = int(np.prod(self.chunk_shape)) * first.element_size()
         self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s)

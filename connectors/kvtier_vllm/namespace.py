@@ -1,0 +1,38 @@
+"""The namespace a vLLM worker's chunks live in: model, revision, KV layout and dtype, TP rank.
+
+Chunks are only ever served within one namespace (kvtier.keys), so everything that changes the
+bytes of a chunk must be in it: a non-canonical paged layout (attention backend, ISA, strides)
+and a quantized KV cache dtype go into the revision; an MLA latent is the same on every TP rank,
+so MLA uses one namespace for all ranks (a shared tier keeps one copy, not one per rank).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.keys import KVLayout, NamespaceSpec
+
+from .blocks import PagedLayout, dtype_name
+
+if TYPE_CHECKING:
+    from .worker import EngineInfo
+
+
+def engine_namespace(info: EngineInfo, layout: PagedLayout, first: torch.Tensor, num_layers: int,
+                     heads: int, head_dim: int, chunk: int, hash_name: str) -> NamespaceSpec:
+    """The namespace of the worker whose first KV cache tensor is ``first``."""
+    revision = info.model_revision
+    if not layout.canonical:
+        revision += f"+kvlayout={info.backend}:{info.isa}:{tuple(first.stride())}"
+    if info.cache_dtype not in ("auto", ""):
+        revision += f"+kvcache={info.cache_dtype}"
+    # Every TP rank of an MLA model holds the same latent: one namespace for all ranks, so a
+    # shared tier (disk path, redis, kvtier-server) keeps one copy, not one per rank.
+    rank, world = (0, 1) if info.mla else (info.rank, info.world_size)
+    return NamespaceSpec(
+        model_id=info.model_id,
+        layout=KVLayout(num_layers, heads, head_dim, chunk, kv=layout.planes),
+        kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
+        world_size=world, hash_name=hash_name)  # type: ignore[arg-type]
