@@ -19,14 +19,13 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
 from kvtier import __version__
-from kvtier import top as top_command
 from kvtier.analyze import command as analyze_command
 
 log = logging.getLogger("kvtier.cli")
 
 AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
-# The core's own subcommands (the connectors' come from entry points).
-_COMMANDS: list[AddParser] = [analyze_command.add_parser, top_command.add_parser]
+# The core's own subcommands (the connectors' and kvtier-server's `top` come from entry points).
+_COMMANDS: list[AddParser] = [analyze_command.add_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -42,9 +42,6 @@ from kvtier.cache import PrefixCache
 from kvtier.tiers.base import Entry
 
 from .partial import partial_key
-
-if TYPE_CHECKING:  # protocol.py imports this module
-    from .protocol import SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +86,24 @@ class EventBatch:
 
     def __bool__(self) -> bool:
         return bool(self.events or self.bindings or self.dropped)
+
+
+class SaveLike(Protocol):
+    """What :meth:`WorkerEvents.bind_saves` reads of a ``protocol.SaveSpec`` (protocol.py
+    imports this module, so the type is structural here)."""
+
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def salt(self) -> bytes: ...
+    @property
+    def tokens(self) -> bytes: ...
+    @property
+    def start_chunk(self) -> int: ...
+    @property
+    def end_chunk(self) -> int: ...
+    @property
+    def partial(self) -> bool: ...
 
 
 class WorkerEvents:
@@ -165,7 +180,7 @@ class WorkerEvents:
         """Mute the partial chunk of ``tokens`` ending at ``end`` (see :meth:`mute`)."""
         self.mute(partial_key(cache, tokens, end))
 
-    def bind_saves(self, saves: Sequence[SaveSpec], cache_for: Callable[[bytes], PrefixCache]) -> None:
+    def bind_saves(self, saves: Sequence[SaveLike], cache_for: Callable[[bytes], PrefixCache]) -> None:
         """Bind (or, for partial chunks, mute) the chunks this step's saves will put."""
         for spec in saves:
             tokens = np.frombuffer(spec.tokens, dtype="<u4")

@@ -8,7 +8,7 @@ so MLA uses one namespace for all ranks (a shared tier keeps one copy, not one p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -16,11 +16,29 @@ from kvtier.keys import KVLayout, NamespaceSpec
 
 from .blocks import PagedLayout, dtype_name
 
-if TYPE_CHECKING:
-    from .worker import EngineInfo
+
+class EngineFacts(Protocol):
+    """What the namespace takes from ``worker.EngineInfo`` (which imports this module)."""
+
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def model_revision(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def isa(self) -> str | None: ...
+    @property
+    def cache_dtype(self) -> str: ...
+    @property
+    def mla(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
 
 
-def engine_namespace(info: EngineInfo, layout: PagedLayout, first: torch.Tensor, num_layers: int,
+def engine_namespace(info: EngineFacts, layout: PagedLayout, first: torch.Tensor, num_layers: int,
                      heads: int, head_dim: int, chunk: int, hash_name: str) -> NamespaceSpec:
     """The namespace of the worker whose first KV cache tensor is ``first``."""
     revision = info.model_revision
