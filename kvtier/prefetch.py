@@ -81,13 +81,22 @@ def load_range(cache: PrefixCache, tokens: Sequence[int] | np.ndarray, start_chu
     if wanted == 0:
         return LoadedRange(start_chunk, 0, buffers=buffers)
     prefix = cache.keys(tokens[: end_chunk * c], full_chunks_only=True)
-    keys = prefix[start_chunk:end_chunk]
     spans = [(i * c, (i + 1) * c) for i in range(start_chunk, end_chunk)]
+    return read_verified(cache, prefix, start_chunk, spans, outs, buffers, t0)
+
+
+def read_verified(cache: PrefixCache, prefix: Sequence[bytes], start_chunk: int,
+                  spans: Sequence[tuple[int, int]], outs: Sequence[memoryview] | None,
+                  buffers: object, t0: float) -> LoadedRange:
+    """The verified read of chunks ``prefix[start_chunk:]`` (token ``spans``, one per chunk),
+    into ``outs`` when given, as a ``LoadedRange`` timed from ``t0``: the one read path of
+    :func:`load_range` and the connectors' variants of it (a trailing partial chunk)."""
+    keys = prefix[start_chunk:start_chunk + len(spans)]
     if outs is None:
         run = cache.load_verified(keys, spans, first_index=start_chunk, prefix=prefix)
     else:
         run = cache.load_verified_into(keys, spans, outs, first_index=start_chunk, prefix=prefix)
-    return LoadedRange(start_chunk, wanted, run.payloads, run.per_tier, run.reason, run.nbytes,
+    return LoadedRange(start_chunk, len(keys), run.payloads, run.per_tier, run.reason, run.nbytes,
                        time.perf_counter() - t0, buffers)
 
 

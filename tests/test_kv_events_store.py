@@ -109,26 +109,15 @@ def test_connector_halves_describe_chunks_by_vllm_hashes_and_report_evictions(tm
     slots: the second request's chunks evict the first's, and the BlockRemoved names exactly
     the vLLM block hashes its BlockStored announced."""
     pytest.importorskip("vllm")
-    from kvtier_vllm.scheduler import SchedulerSide
-    from kvtier_vllm.settings import load_settings
-    from kvtier_vllm.worker import EngineInfo, WorkerSide
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from tests.test_vllm_connector_flow import B, C, D, H, L, N, _fill, _output, _req, _run_step
+    from tests.vllm_halves import connector_halves
 
-    cfg, settings = load_settings({"chunk_tokens": C, "cpu": {"capacity_bytes": "1MiB", "slot_bytes": "512KiB"},
-                                   "vllm": {"socket_dir": str(tmp_path / "s")}})
-    info = EngineInfo(model_id="events-test", model_revision="", block_size=N, cache_dtype="auto", rank=0,
-                      world_size=1, dp_rank=0, engine_id=f"ev-{time.monotonic_ns()}", backend="CPU_ATTN",
-                      isa="vec", kv_events=True)
-    import torch
-
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(B, H, N, 2 * D) for i in range(L)}
-    worker = WorkerSide(cfg, settings, info)
-    worker.register(caches)
-    sched = SchedulerSide(cfg, settings, block_size=N, engine_id=info.engine_id, dp_rank=0, world_size=1,
-                          kv_events=True)
+    sched, worker, caches = connector_halves(tmp_path, chunk=C, block=N, blocks=B, heads=H, head_dim=D, layers=L,
+                                             cpu={"capacity_bytes": "1MiB", "slot_bytes": "512KiB"},
+                                             kv_events=True, name="ev")
     events: list[object] = []
     try:
         for rid, first, blocks in (("r1", 7, [10, 3, 40, 22, 5]), ("r2", 300, [11, 12, 13, 14, 15])):

@@ -18,27 +18,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
 
+from tests.vllm_halves import connector_halves  # noqa: E402
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
 L, B, H, N, D, C = 2, 64, 2, 16, 8, 32  # layers, blocks, kv heads, block size, head dim, chunk
 
 
 def _halves(tmp_path: Path, **vllm: Any) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-    from kvtier_vllm.scheduler import SchedulerSide
-    from kvtier_vllm.settings import load_settings
-    from kvtier_vllm.worker import EngineInfo, WorkerSide
-
-    cfg, settings = load_settings({"chunk_tokens": C, "cpu": {"capacity_bytes": "64MiB", "slot_bytes": "64KiB"},
-                                   "vllm": {"socket_dir": str(tmp_path / "s"), **vllm}})
-    info = EngineInfo(model_id="flow-test", model_revision="", block_size=N, cache_dtype="auto",
-                      rank=0, world_size=1, dp_rank=0, engine_id=f"flow-{time.monotonic_ns()}",
-                      backend="CPU_ATTN", isa="vec", kv_events=True)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(B, H, N, 2 * D) for i in range(L)}
-    worker = WorkerSide(cfg, settings, info)
-    worker.register(caches)
-    sched = SchedulerSide(cfg, settings, block_size=N, engine_id=info.engine_id, dp_rank=0,
-                          world_size=1, kv_events=True)
-    return sched, worker, caches
+    return connector_halves(tmp_path, chunk=C, block=N, blocks=B, heads=H, head_dim=D, layers=L,
+                            cpu={"capacity_bytes": "64MiB", "slot_bytes": "64KiB"}, vllm=vllm,
+                            kv_events=True, name="flow")
 
 
 def _req(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.vllm_model import VLLM_TEST_SPEC, build_model, random_tokens
-from tests.vllm_replica import Replica
+from tests.vllm_replica import Replica, assert_same_output, generate_one
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
@@ -82,15 +82,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
 
 def gen(rep: Replica, tokens: list[int]) -> dict[str, Any]:
     """One greedy generation of 8 tokens (with START_S to answer, not the default 240 s)."""
-    out: dict[str, Any] = rep.call({"op": "generate", "prompts": [{"tokens": tokens}], "max_tokens": 8},
-                                   timeout_s=START_S)["outputs"][0]
-    return out
+    return generate_one(rep, tokens, START_S)
 
 
 def same(out: dict[str, Any], ref: dict[str, Any]) -> None:
-    assert out["token_ids"] == ref["token_ids"]
-    diff = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"]))
-    assert diff <= TOL, f"logprobs differ by {diff}"
+    assert_same_output(out, ref, TOL)
 
 
 def test_second_replica_restores_to_the_block_not_the_chunk(engines: Engines) -> None:

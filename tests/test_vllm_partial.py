@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
+from tests.vllm_halves import connector_halves  # noqa: E402
+
 L, H, D = 2, 2, 8  # layers, kv heads, head dim
 
 
@@ -87,21 +89,8 @@ def test_ranks_agree_on_a_partial_chunk_only_when_all_found_it() -> None:
 # --- the two halves, without an engine -----------------------------------------------------------
 
 def _halves(tmp_path: Path, chunk: int, block: int, blocks: int, **vllm: Any) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-    from kvtier_vllm.scheduler import SchedulerSide
-    from kvtier_vllm.settings import load_settings
-    from kvtier_vllm.worker import EngineInfo, WorkerSide
-
-    cfg, settings = load_settings({"chunk_tokens": chunk, "cpu": {"capacity_bytes": "256MiB", "slot_bytes": "1MiB"},
-                                   "vllm": {"socket_dir": str(tmp_path / "s"), **vllm}})
-    info = EngineInfo(model_id="partial-test", model_revision="", block_size=block, cache_dtype="auto",
-                      rank=0, world_size=1, dp_rank=0, engine_id=f"partial-{time.monotonic_ns()}",
-                      backend="CPU_ATTN", isa="vec", kv_events=False)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(blocks, H, block, 2 * D) for i in range(L)}
-    worker = WorkerSide(cfg, settings, info)
-    worker.register(caches)
-    sched = SchedulerSide(cfg, settings, block_size=block, engine_id=info.engine_id, dp_rank=0,
-                          world_size=1, kv_events=False)
-    return sched, worker, caches
+    return connector_halves(tmp_path, chunk=chunk, block=block, blocks=blocks, heads=H, head_dim=D, layers=L,
+                            cpu={"capacity_bytes": "256MiB", "slot_bytes": "1MiB"}, vllm=vllm, name="partial")
 
 
 def _req(rid: str, tokens: list[int]) -> SimpleNamespace:

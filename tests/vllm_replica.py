@@ -116,6 +116,20 @@ class Replica:
         self.log.close()
 
 
+
+def generate_one(rep: Replica, tokens: list[int], timeout_s: float, max_tokens: int = 8) -> dict[str, Any]:
+    """One greedy generation of ``tokens`` (the reply's single output), answered within ``timeout_s``."""
+    out: dict[str, Any] = rep.call({"op": "generate", "prompts": [{"tokens": tokens}], "max_tokens": max_tokens},
+                                   timeout_s=timeout_s)["outputs"][0]
+    return out
+
+
+def assert_same_output(out: dict[str, Any], ref: dict[str, Any], tol: float) -> None:
+    """Greedy tokens equal and log-probs within ``tol`` of the reference output."""
+    assert out["token_ids"] == ref["token_ids"]
+    diff = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"]))
+    assert diff <= tol, f"logprobs differ by {diff}"
+
 # --- child side -----------------------------------------------------------------------------------
 _REPLIES: Any = None  # a private copy of the original stdout; fd 1 itself goes to stderr
 

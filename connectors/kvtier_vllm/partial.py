@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtier.cache import PrefixCache
 from kvtier.keys import chunk_keys, chunk_spans
-from kvtier.prefetch import LoadedRange
+from kvtier.prefetch import LoadedRange, read_verified
 from kvtier.tiers.base import PrefixPlaced
 
 
@@ -112,17 +112,10 @@ def load_with_partial(cache: PrefixCache, tokens: np.ndarray, start_chunk: int, 
         raise ValueError(f"load_with_partial: end {end} must be inside a chunk of {c} and within "
                          f"the {len(tokens)} tokens given")
     prefix = cache.keys(tokens[:end])  # full chunks, then the partial one
-    spans = chunk_spans(end, c)
-    keys, spans = prefix[start_chunk:], spans[start_chunk:]
-    wanted = len(keys)
-    if outs is not None and len(outs) != wanted:
-        raise ValueError(f"load_with_partial got {len(outs)} buffers for {wanted} chunks")
-    if outs is None:
-        run = cache.load_verified(keys, spans, first_index=start_chunk, prefix=prefix)
-    else:
-        run = cache.load_verified_into(keys, spans, outs, first_index=start_chunk, prefix=prefix)
-    return LoadedRange(start_chunk, wanted, run.payloads, run.per_tier, run.reason, run.nbytes,
-                       time.perf_counter() - t0, buffers)
+    spans = chunk_spans(end, c)[start_chunk:]
+    if outs is not None and len(outs) != len(spans):
+        raise ValueError(f"load_with_partial got {len(outs)} buffers for {len(spans)} chunks")
+    return read_verified(cache, prefix, start_chunk, spans, outs, buffers, t0)
 
 
 def chunk_tokens_at(index: int, chunk: int, partial_end: int) -> int:
