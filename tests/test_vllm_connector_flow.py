@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
 
-from tests.vllm_halves import connector_halves  # noqa: E402
+from tests.vllm_halves import connector_halves, fake_request, scheduler_output  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -31,18 +31,7 @@ def _halves(tmp_path: Path, **vllm: Any) -> tuple[Any, Any, dict[str, torch.Tens
                             kv_events=True, name="flow")
 
 
-def _req(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens),
-                           num_prompt_tokens=len(tokens), num_computed_tokens=0, cache_salt=salt)
-
-
-def _output(new: list[tuple[Any, list[int], int]], sched: dict[str, int]) -> SimpleNamespace:
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=c)
-                            for r, ids, c in new],
-        scheduled_cached_reqs=cached, num_scheduled_tokens=sched, preempted_req_ids=set(),
-        kv_connector_block_state=None)
+_req, _output = fake_request, scheduler_output
 
 
 def _run_step(sched: Any, worker: Any, so: Any, caches: dict[str, torch.Tensor], write: Any = None) -> Any:

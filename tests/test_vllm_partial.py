@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connectors"))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
-from tests.vllm_halves import connector_halves  # noqa: E402
+from tests.vllm_halves import connector_halves, fake_request, scheduler_output  # noqa: E402
 
 L, H, D = 2, 2, 8  # layers, kv heads, head dim
 
@@ -93,18 +93,7 @@ def _halves(tmp_path: Path, chunk: int, block: int, blocks: int, **vllm: Any) ->
                             cpu={"capacity_bytes": "256MiB", "slot_bytes": "1MiB"}, vllm=vllm, name="partial")
 
 
-def _req(rid: str, tokens: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens),
-                           num_prompt_tokens=len(tokens), num_computed_tokens=0, cache_salt=None)
-
-
-def _output(new: list[tuple[Any, list[int], int]], sched: dict[str, int]) -> SimpleNamespace:
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=c)
-                            for r, ids, c in new],
-        scheduled_cached_reqs=cached, num_scheduled_tokens=sched, preempted_req_ids=set(),
-        kv_connector_block_state=None)
+_req, _output = fake_request, scheduler_output
 
 
 def _step(sched: Any, worker: Any, so: Any, caches: dict[str, torch.Tensor], fill: list[int] | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -31,3 +32,20 @@ def connector_halves(tmp_path: Path, *, chunk: int, block: int, blocks: int, hea
     sched = SchedulerSide(cfg, settings, block_size=block, engine_id=info.engine_id, dp_rank=0,
                           world_size=1, kv_events=kv_events)
     return sched, worker, caches
+
+
+def fake_request(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
+    """The fields of a vLLM ``Request`` the scheduler half reads."""
+    return SimpleNamespace(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens),
+                           num_prompt_tokens=len(tokens), num_computed_tokens=0, cache_salt=salt)
+
+
+def scheduler_output(new: list[tuple[Any, list[int], int]], sched: dict[str, int]) -> SimpleNamespace:
+    """A ``SchedulerOutput`` scheduling ``new`` (request, block ids, computed tokens) for the
+    tokens ``sched`` gives per request id."""
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c in new],
+        scheduled_cached_reqs=cached, num_scheduled_tokens=sched, preempted_req_ids=set(),
+        kv_connector_block_state=None)
