@@ -37,6 +37,7 @@ a connection inside a request finishes it, then closes.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import socket
@@ -182,17 +183,23 @@ class DataPlane:
 
     def _serve(self, conn: Conn, peer: object) -> None:
         self.metrics.data_connections.inc()
+        seg = shm_segment.Segment()
         try:
             conn.sock.settimeout(self.admission.handshake_s)  # the reaper enforces the total
             if self.tls is not None:
                 conn.sock = self.tls.wrap_socket(conn.sock, server_side=True)
-            self._converse(conn)
+            self._converse(conn, seg)
         except ProtocolError as exc:
             log.info("data path %s: protocol error, connection closed: %s", peer, exc)
             self._send_error(conn.sock, INVALID, f"protocol error: {exc}")
         except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
             log.debug("data path %s: connection ended: %s", peer, exc)
         finally:
+            if seg.mapping is not None and not seg.close():
+                # A view of the segment outlived the conversation in a reference cycle (an
+                # exception's frames): collect it now, or the mapping waits for the next GC.
+                gc.collect()
+                seg.close()
             self.admission.leave(conn)  # before close: no shutdown may reach a reused fd
             with self._lock:
                 self._conns.discard(conn)
@@ -209,7 +216,7 @@ class DataPlane:
         except (OSError, ssl.SSLError):
             pass
 
-    def _converse(self, conn: Conn) -> None:
+    def _converse(self, conn: Conn, seg: shm_segment.Segment) -> None:
         sock = conn.sock
         session = ServerSession(self.wire_limits)
         # Before the token is accepted nothing larger than a HELLO is ever allocated.
@@ -236,7 +243,6 @@ class DataPlane:
         scratch = memoryview(scratch_map)
         sock.settimeout(IDLE_TIMEOUT_S)
         batch = _Batch()
-        seg = shm_segment.Segment()
         try:
             while not self._draining:
                 conn.idle = not batch.flags

@@ -113,15 +113,18 @@ class Segment:
             os.close(self.fd)
             self.fd = -1
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unmap the segment; False when a view of it is still alive (kept by an exception's
+        frames, say): ``mapping`` stays set so the owner can collect and call again."""
         self._close_handoff()
         self.view = None
         if self.mapping is not None:
             try:
                 self.mapping.close()
-            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
-                pass
+            except BufferError:
+                return False
             self.mapping = None
+        return True
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
