@@ -19,6 +19,27 @@ Ratios are per repeat (min/median/max). Two clocks: wall GB/s (what the issue's
 ``read_vs_file_backend`` / ``write_vs_file_backend`` report) and CPU GB/s (bytes per CPU-second
 of the bench process's threads plus, for the kvtier-server tier, the server process: the
 ``*_cpu`` keys), which a loaded machine distorts far less than wall time.
+
+What each kvtier entry is compared with (the media differ; say which you quote):
+- ``file``: SGLang's file backend writes with buffered I/O and reads the files it has just
+  written, i.e. from the page cache, never from the device.
+- ``kvtier-disk``: kvtier's disk tier as configured by default, O_DIRECT: writes reach the device
+  and reads come from it. Its ``*_vs_file_backend`` ratios compare device I/O with page-cache
+  copies (the headline, kept as it always was); not like for like.
+- ``kvtier-disk-buffered``: the disk tier with ``o_direct: false``: page cache on both sides,
+  the like-for-like pair for ``file`` (writes and reads).
+- ``read_vs_file_backend_cold`` (+ ``_cpu``): ``kvtier-disk`` (O_DIRECT) against ``file-cold``,
+  the file backend whose files are written back and dropped from the page cache
+  (``fdatasync`` + ``posix_fadvise(DONTNEED)``, outside the clock) before each read: both read
+  from the device. The same drop runs before ``kvtier-disk``'s reads (a no-op for O_DIRECT
+  files). Writes have no cold variant (``file-cold`` writes exactly as ``file``).
+- ``kvtier-kvtier-server``: a kvtier-server on loopback (shared-memory data path) with room for
+  every repeat's pages, so every write lands in server memory never touched before: its lazy
+  arena takes a page fault per 4 KiB (about 0.9 ms per MiB here, more than the copies).
+- ``kvtier-kvtier-server-full``: the same server sized to two requests and filled by two
+  warm-up requests, so each write evicts older pages and reuses their memory: the steady state
+  of a long-running cache. (``file`` never fills its directory here; a full one would unlink
+  files and allocate new page-cache pages for each write, so its figures do not improve there.)
 Not measured: device<->host copies (no CPU kernel) and a serving engine.
 """
 
@@ -33,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +78,7 @@ except ImportError as exc:
 from kvtier_servers import start_server
 
 TIMEOUT = 300
+TIERS = ("cpu", "disk", "disk-buffered", "kvtier-server", "kvtier-server-full")
 
 
 def make_controller(backend: str, extra: dict[str, Any] | None, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -90,9 +113,26 @@ class Clock:
         return time.perf_counter() - self.wall0, cpu_seconds(self.pids) - self.cpu0
 
 
-def one_repeat(cc: Any, host: Any, args: argparse.Namespace, rng: random.Random,
-               pids: list[int]) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((write wall s, write CPU s), (read wall s, read CPU s)) of one request's pages."""
+def drop_page_cache(root: Path) -> None:
+    """Write back, then drop from the page cache, every file under ``root``, so the next read
+    of them comes from the device (files renamed or removed meanwhile are skipped)."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def one_repeat(cc: Any, host: Any, args: argparse.Namespace, rng: random.Random, pids: list[int],
+               before_read: Callable[[], None] | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((write wall s, write CPU s), (read wall s, read CPU s)) of one request's pages;
+    ``before_read`` runs between the two, outside both clocks."""
     n = args.pages * args.page
     tokens = [rng.randrange(1 << 30) for _ in range(n)]
     hashes = get_storage_hash_str(tokens, None, page_size=args.page)
@@ -107,6 +147,8 @@ def one_repeat(cc: Any, host: Any, args: argparse.Namespace, rng: random.Random,
     host.free(src)
     if op.completed_tokens != n:
         raise RuntimeError(f"backup stored {op.completed_tokens} of {n} tokens")
+    if before_read is not None:
+        before_read()
     clock = Clock(pids)
     cc.prefetch("bench", tokens)
     pf = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
@@ -161,22 +203,26 @@ class CallTimer:
 
 
 class Backend:
-    """One backend under its own controller and host pool; per-repeat GB/s lists."""
+    """One backend under its own controller and host pool; per-repeat GB/s lists. ``cold``: a
+    directory whose page cache is dropped before every read; ``warmups``: untimed repeats."""
 
     def __init__(self, name: str, backend: str, extra: dict[str, Any] | None, args: argparse.Namespace,
-                 pids: list[int]) -> None:
+                 pids: list[int], cold: Path | None = None, warmups: int = 1) -> None:
         self.name, self.args, self.pids = name, args, pids
+        self.before_read = None if cold is None else (lambda: drop_page_cache(cold))
         self.cc, self.host = make_controller(backend, extra, args)
         self.nbytes = args.pages * self.host.get_data_page(0).numel() * self.host.kv_buffer.element_size()
         self.rng = random.Random(args.seed)
         self.res: dict[str, list[float]] = {k: [] for k in ("write_gbps", "read_gbps",
                                                               "write_cpu_gbps", "read_cpu_gbps",
                                                               "controller_ms")}
-        one_repeat(self.cc, self.host, args, self.rng, pids)  # warm-up: imports, first allocations
+        for _ in range(warmups):  # imports, first allocations (and filling a "-full" server)
+            one_repeat(self.cc, self.host, args, self.rng, pids, self.before_read)
         self.calls = CallTimer(self.cc.storage_backend)
 
     def repeat(self) -> None:
-        (w_wall, w_cpu), (r_wall, r_cpu) = one_repeat(self.cc, self.host, self.args, self.rng, self.pids)
+        (w_wall, w_cpu), (r_wall, r_cpu) = one_repeat(self.cc, self.host, self.args, self.rng, self.pids,
+                                                      self.before_read)
         # Wall time of the write + read not spent in storage calls (both ops, this repeat).
         self.res["controller_ms"].append(1e3 * max(w_wall + r_wall - self.calls.take(), 0.0))
         for key, secs in (("write_gbps", w_wall), ("read_gbps", r_wall),
@@ -185,10 +231,10 @@ class Backend:
 
     def report(self) -> None:
         r = self.res
-        print(f"{self.name:20s} write {fmt(r['write_gbps'], 'GB/s')}   read {fmt(r['read_gbps'], 'GB/s')}\n"
-              f"{'':20s} per CPU-s: write {fmt(r['write_cpu_gbps'], 'GB/s')}   "
+        print(f"{self.name:26s} write {fmt(r['write_gbps'], 'GB/s')}   read {fmt(r['read_gbps'], 'GB/s')}\n"
+              f"{'':26s} per CPU-s: write {fmt(r['write_cpu_gbps'], 'GB/s')}   "
               f"read {fmt(r['read_cpu_gbps'], 'GB/s')}\n"
-              f"{'':20s} outside storage calls (write + read): {fmt(r['controller_ms'], 'ms')}", flush=True)
+              f"{'':26s} outside storage calls (write + read): {fmt(r['controller_ms'], 'ms')}", flush=True)
 
 
 def main() -> None:
@@ -201,7 +247,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layout", default="page_first")
-    ap.add_argument("--tiers", default="cpu,disk,kvtier-server")
+    ap.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, of {', '.join(TIERS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (default 1: the file backend's page copies are torch "
@@ -211,33 +257,48 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     if args.quick:
         args.repeats, args.pages, args.layers, args.heads = 5, 32, 8, 4
+    tiers = args.tiers.split(",")
+    if not set(tiers) <= set(TIERS):
+        raise SystemExit(f"--tiers: unknown {sorted(set(tiers) - set(TIERS))} (of {', '.join(TIERS)})")
     work = Path(tempfile.mkdtemp(prefix="kvtier-e2e-sglang-"))
-    os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(work / "file")
+    os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)  # each file backend has its own
     dist.init_process_group("gloo", init_method=f"file://{work / 'pg'}", rank=0, world_size=1)
     get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
                                         attn_dcp_size=1, attn_dcp_rank=0)
     page_mib = 2 * args.layers * args.page * args.heads * args.head_dim * 2 / 2**20
     print(f"{args.pages} pages x {page_mib:.2f} MiB ({args.layout}, bf16), {args.repeats} repeats", flush=True)
-    node = None
+    nodes = []
     # Room for every repeat's pages (each repeat stores new ones) and no more: all backends are
     # alive at once, on a machine other jobs share.
     slot = -(-(int(page_mib * 2**20) + 4096) // 4096) * 4096    # one page chunk (header + page)
     room = str(slot * args.pages * (args.repeats + 2) + (64 << 20))
-    backends = [Backend("file", "file", None, args, [])]
+    backends = [Backend("file", "file", {"file_storage_path": str(work / "file")}, args, [])]
+    if "disk" in tiers:
+        backends.append(Backend("file-cold", "file", {"file_storage_path": str(work / "file-cold")}, args, [],
+                                cold=work / "file-cold"))
     try:
-        for tier in args.tiers.split(","):
+        for tier in tiers:
             pids: list[int] = []
+            cold, warmups = None, 1
+            disk = {"enabled": True, "path": str(work / tier)}
             if tier == "cpu":
-                extra = {"cpu": {"capacity_bytes": room, "slot_bytes": slot}}
+                extra: dict[str, Any] = {"cpu": {"capacity_bytes": room, "slot_bytes": slot}}
             elif tier == "disk":
-                extra = {"cpu": {"enabled": False}, "disk": {"enabled": True, "path": str(work / "disk")}}
-            elif tier == "kvtier-server":
-                node = start_server(work / "node", "--cpu-bytes", room, "--slot-bytes", str(slot))
+                extra, cold = {"cpu": {"enabled": False}, "disk": disk}, work / tier
+            elif tier == "disk-buffered":
+                extra = {"cpu": {"enabled": False}, "disk": {**disk, "o_direct": False}}
+            else:  # kvtier-server, kvtier-server-full (two requests' room, filled by two warm-ups;
+                # LRU, so the request being measured evicts the oldest one: the default policy
+                # would evict its once-seen pages first, right, but a miss measures nothing)
+                full = tier.endswith("-full")
+                size = str(slot * args.pages * 2) if full else room
+                node = start_server(work / tier, "--cpu-bytes", size, "--slot-bytes", str(slot),
+                                    *(("--set", "cpu.policy=lru") if full else ()))
+                nodes.append(node)
                 extra = {"cpu": {"enabled": False}, "grpc": {"enabled": True, "nodes": [node.address]}}
-                pids = [node.proc.pid]
-            else:
-                raise SystemExit(f"--tiers: unknown tier {tier!r} (cpu, disk, kvtier-server)")
-            backends.append(Backend(f"kvtier-{tier}", "dynamic", {**BACKEND, **extra}, args, pids))
+                pids, warmups = [node.proc.pid], 2 if full else 1
+            backends.append(Backend(f"kvtier-{tier}", "dynamic", {**BACKEND, **extra}, args, pids,
+                                    cold=cold, warmups=warmups))
         for _ in range(args.repeats):
             for be in backends:          # back to back: the same machine load for every backend
                 be.repeat()
@@ -245,23 +306,25 @@ def main() -> None:
             be.cc.detach_storage_backend()
             be.report()
     finally:
-        if node is not None:
+        for node in nodes:
             node.stop()
-    results = {("file" if be.name == "file" else be.name): be.res for be in backends}
-    out: dict[str, Any] = {"torch_threads": args.torch_threads, "pages": args.pages, "page_tokens": args.page, "page_mib": page_mib,
-                           "repeats": args.repeats, "layout": args.layout,
-                           "read_vs_file_backend": {}, "write_vs_file_backend": {},
-                           "read_vs_file_backend_cpu": {}, "write_vs_file_backend_cpu": {}}
-    base = results["file"]
+    results = {be.name: be.res for be in backends}
+    out: dict[str, Any] = {"torch_threads": args.torch_threads, "pages": args.pages, "page_tokens": args.page,
+                           "page_mib": page_mib, "repeats": args.repeats, "layout": args.layout}
+    for key in ("read_vs_file_backend", "write_vs_file_backend", "read_vs_file_backend_cpu",
+                "write_vs_file_backend_cpu", "read_vs_file_backend_cold", "read_vs_file_backend_cold_cpu"):
+        out[key] = {}
+    pairs = [(name, "file", verb, clock, "") for name in results if not name.startswith("file")
+             for verb in ("read", "write") for clock in ("", "_cpu")]
+    if "file-cold" in results:  # both from the device: O_DIRECT vs the file backend's cold reads
+        pairs += [("kvtier-disk", "file-cold", "read", clock, "_cold") for clock in ("", "_cpu")]
     for name, res in results.items():
         out[name] = {k: vars(Stats.of(v)) for k, v in res.items()}
-        if name == "file":
-            continue
-        for verb, clock in (("read", ""), ("write", ""), ("read", "_cpu"), ("write", "_cpu")):
-            series = f"{verb}{clock}_gbps"
-            ratios = [a / b for a, b in zip(res[series], base[series])]
-            out[f"{verb}_vs_file_backend{clock}"][name] = vars(Stats.of(ratios))
-            print(f"{name:20s} {verb} vs file{' (per CPU-s)' if clock else ''}: {fmt(ratios, 'x')}")
+    for name, base, verb, clock, cold in pairs:
+        series = f"{verb}{clock}_gbps"
+        ratios = [a / b for a, b in zip(results[name][series], results[base][series])]
+        out[f"{verb}_vs_file_backend{cold}{clock}"][name] = vars(Stats.of(ratios))
+        print(f"{name:26s} {verb} vs {base}{' (per CPU-s)' if clock else ''}: {fmt(ratios, 'x')}")
     dist.destroy_process_group()
     shutil.rmtree(work, ignore_errors=True)  # hundreds of MB of pages per run
     print(json.dumps(out))
