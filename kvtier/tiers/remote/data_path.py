@@ -137,6 +137,7 @@ class SocketDataPath:
     def _checkin(self, conn: DataConn, ok: bool) -> None:
         conn.targets = None
         conn.overflow = {}
+        conn.following = 0
         with self._lock:
             if ok and not self._closed:
                 self._idle.append(conn)
@@ -202,6 +203,7 @@ class SocketDataPath:
             results = collector.results
             value_error: ValueError | None = None
             while not collector.done:
+                conn.following = len(keys) - len(results) - 1  # after this one, if not an ERROR
                 collector.accept(conn.read(deadline))
                 last = results[-1] if results else None
                 if isinstance(last, ShmRef):  # copy it out now, while the server fills the next
