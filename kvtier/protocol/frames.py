@@ -147,6 +147,21 @@ class FrameReader:
             return HEADER_SIZE - self._got
         return self._header.length - self._got
 
+    @property
+    def body_type(self) -> int | None:
+        """The type of the frame whose body is being read (None between frames)."""
+        return self._header.type if self._header is not None else None
+
+    def next_header_buffer(self) -> memoryview:
+        """While a frame's body is being read: where the following frame's header goes (what
+        :meth:`buffer` returns once this frame completes). A caller that knows another frame
+        follows may fill it in the same read as the rest of this body (``recvmsg_into``), end
+        this frame with :meth:`advance`, then pass the header bytes it got to
+        :meth:`advance` (which checks them as it checks any header)."""
+        if self._header is None:
+            raise ValueError("no frame body is being read")
+        return memoryview(self._head)
+
     def buffer(self) -> memoryview:
         if self._header is None:
             return memoryview(self._head)[self._got :]

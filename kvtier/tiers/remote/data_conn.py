@@ -2,8 +2,8 @@
 and the shared-memory segment it may map.
 
 :class:`DataConn` reads kvtier.protocol.frames frames (chunk bodies straight into the caller's buffers
-when ``targets`` is set, else into fresh ``bytes`` with one ``MSG_WAITALL`` recv on plain
-TCP), bounds every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain
+when ``targets`` is set, else into fresh ``bytes``; on plain TCP each body is one
+``MSG_WAITALL`` call, and inside a GET reply the next frame's header comes with it), bounds every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain
 TCP, ``settimeout`` under TLS), and maps the server's shared segment when asked to: a sealed
 memfd whose descriptor it fetches over the abstract Unix socket SHM_READY names, with the
 ticket SHM_READY carries (SCM_RIGHTS; no name in /dev/shm). The segment is mapped only if
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from kvtier.protocol.frames import (
     CHUNK,
+    MISS,
     SHM_READY,
     Frame,
     FrameReader,
@@ -48,6 +49,7 @@ __all__ = ["DataConn"]
 log = logging.getLogger("kvtier.tiers.remote.data_path")
 _REARM_S = 0.01
 _SHM_SEALED = fcntl.F_SEAL_SHRINK
+_REPLIES = (CHUNK, MISS)
 
 
 class DataConn:
@@ -61,6 +63,10 @@ class DataConn:
         self.targets: Sequence[memoryview] | None = None  # get_into destinations, by index
         self.overflow: dict[int, int] = {}  # index -> length of a chunk too big for its target
         self._armed = 0.0  # seconds SO_RCVTIMEO/SO_SNDTIMEO hold now (plain TCP)
+        # Frames of the current GET reply sure to follow the one being read, if that one is
+        # a CHUNK or MISS (set by the caller); the header bytes of the next frame read ahead.
+        self.following = 0
+        self._head_got = 0
         self.reused = False  # taken from the idle pool (the server may have closed it meanwhile)
         self.shm: memoryview | None = None  # this connection's shared segment, once mapped
         self._shm_map: mmap.mmap | None = None
@@ -98,26 +104,45 @@ class DataConn:
         return time.monotonic() + self._armed
 
     def read(self, deadline: float) -> Frame:
+        """The next frame. Plain TCP: every read asks for exactly what the current header or
+        body still needs (the reader's buffer never spans two frames) with MSG_WAITALL, so a
+        1 MiB body is one ``recv`` call, not one per segment that happened to be queued
+        (each a trip through Python); when ``following`` says more frames of a GET reply come
+        after a CHUNK or MISS, the next frame's header is read in the same call as this body
+        (``recvmsg_into``). A chunk body with no target: one MSG_WAITALL ``recv`` into fresh
+        bytes, handed to the reader whole, so the bytes object itself becomes the result.
+        SO_RCVTIMEO bounds each call (a short read loops)."""
         self.set_deadline(deadline)
-        if self.tls or self.targets is not None:
+        if self.tls:
             return read_frame(self.sock, self.reader)
-        # Header by recv_into; a body that is a chunk: one MSG_WAITALL recv into fresh bytes,
-        # handed to the reader whole, so the bytes object itself becomes the result.
-        while True:
-            n = self.sock.recv_into(self.reader.buffer())
-            if n == 0:
-                raise ConnectionError("node closed the data connection")
-            frame = self.reader.advance(n)
+        sock, reader, waitall = self.sock, self.reader, socket.MSG_WAITALL
+        if self._head_got:  # (part of) this frame's header came with the previous body
+            got, self._head_got = self._head_got, 0
+            frame = reader.advance(got)
             if frame is not None:
                 return frame
-            if self.reader.need() > 4096:
-                while True:
-                    data = self.sock.recv(self.reader.need(), socket.MSG_WAITALL)
-                    if not data:
-                        raise ConnectionError("node closed the data connection")
-                    frames = self.reader.feed(data)
-                    if frames:
-                        return frames[0]
+        while True:
+            need = reader.need()
+            if need > 4096 and self.targets is None:  # a chunk body (headers are 16 bytes)
+                data = sock.recv(need, waitall)
+                if not data:
+                    raise ConnectionError("node closed the data connection")
+                frames = reader.feed(data)
+                if frames:
+                    return frames[0]
+                continue
+            if self.following and reader.body_type in _REPLIES:
+                n = sock.recvmsg_into([reader.buffer(), reader.next_header_buffer()], 0, waitall)[0]
+                if n > need:
+                    self._head_got = n - need
+                    n = need
+            else:
+                n = sock.recv_into(reader.buffer(), 0, waitall)
+            if n == 0:
+                raise ConnectionError("node closed the data connection")
+            frame = reader.advance(n)
+            if frame is not None:
+                return frame
 
     def close(self) -> None:
         try:

@@ -10,7 +10,8 @@ Shared memory (``shm=True``, same host): each connection asks the server for a s
 in the kernel). If the segment cannot be mapped (another user, another /dev/shm), that
 connection and the later ones stay on the socket.
 
-Zero-copy: ``get_into`` has each chunk body ``recv_into`` the caller's buffer; ``get`` reads
+Zero-copy: ``get_into`` has each chunk body ``recv_into`` the caller's buffer (plain TCP:
+one ``MSG_WAITALL`` ``recvmsg_into`` per frame, body and the next frame's header); ``get`` reads
 each body with one ``recv(n, MSG_WAITALL)`` into a fresh ``bytes`` it returns as is (plain
 TCP; TLS copies once out of the reader's buffer); ``put`` sends header and the caller's
 buffer with one ``sendmsg``. Deadlines on plain TCP are SO_RCVTIMEO/SO_SNDTIMEO set to the
@@ -137,6 +138,7 @@ class SocketDataPath:
     def _checkin(self, conn: DataConn, ok: bool) -> None:
         conn.targets = None
         conn.overflow = {}
+        conn.following = 0
         with self._lock:
             if ok and not self._closed:
                 self._idle.append(conn)
@@ -202,6 +204,7 @@ class SocketDataPath:
             results = collector.results
             value_error: ValueError | None = None
             while not collector.done:
+                conn.following = len(keys) - len(results) - 1  # after this one, if not an ERROR
                 collector.accept(conn.read(deadline))
                 last = results[-1] if results else None
                 if isinstance(last, ShmRef):  # copy it out now, while the server fills the next
