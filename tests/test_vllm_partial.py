@@ -243,6 +243,34 @@ def test_local_prefix_cache_hit_end_is_saved_as_a_partial_chunk(tmp_path: Path) 
         sched.shutdown()
 
 
+def test_decode_steps_save_only_the_chunk_they_complete_with_its_tokens(tmp_path: Path) -> None:
+    """Decode steps offer nothing until one completes a chunk; that step's save carries the
+    prefix's token ids as they are now (the scheduler encodes a request's ids once, and again
+    only when a save reaches past them), and no partial chunk is offered twice."""
+    chunk, block = 256, 16
+    sched, worker, caches = _halves(tmp_path, chunk, block, 400)
+    try:
+        tokens = list(range(40, 40 + 500))
+        req = _req("r1", tokens)
+        ids = list(range(1, 1 + 40))  # room for 640 tokens
+        meta = _prefill(sched, worker, caches, req, ids)
+        assert sorted((s.start_chunk, s.end_chunk, s.partial) for s in meta.saves) == [(0, 1, False), (1, 2, True)]
+        req.num_computed_tokens = 500
+        offered = []
+        for t in range(12):  # tokens 500..511: the 12th completes chunk 1
+            req.all_token_ids.append(7000 + t)
+            req.num_tokens += 1
+            meta, _ = _step(sched, worker, _output([], {"r1": 1}), caches)
+            offered.append([(s.start_chunk, s.end_chunk, s.partial) for s in meta.saves])
+            req.num_computed_tokens += 1
+        assert offered[:-1] == [[]] * 11 and offered[-1] == [(1, 2, False)]
+        (spec,) = meta.saves
+        assert spec.tokens == np.asarray(req.all_token_ids[:512], dtype="<u4").tobytes()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
 def test_missing_partial_chunk_at_load_reports_its_blocks(tmp_path: Path) -> None:
     chunk, block = 256, 128
     sched, worker, caches = _halves(tmp_path, chunk, block, 64, prefetch=False)

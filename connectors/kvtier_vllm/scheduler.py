@@ -73,7 +73,23 @@ class _Req:
     outcome: LoadOutcome | None = None
     partial_ends: set[int] = field(default_factory=set)  # partial chunks to save (once computed)
     partial_saved: set[int] = field(default_factory=set)
+    prompt_end_noted: bool = False        # the prompt's block-aligned end is in partial_ends
     skipped_tokens: int = 0
+    _tokens: bytes = b""                  # tokens_bytes of a prefix of the request (see tokens)
+
+    def tokens(self, n: int) -> bytes:
+        """The first ``n`` token ids as uint32-LE bytes. A prefix's ids never change, so they
+        are encoded once per request (again only when a later call asks past them), not at
+        each lookup, load and save."""
+        if len(self._tokens) < 4 * n:
+            self._tokens = tokens_bytes(self.request.all_token_ids)
+        return self._tokens[:4 * n]
+
+    def note_partial_end(self, end: int, chunk: int, block: int) -> None:
+        """Remember ``end`` as a prefix end worth a partial chunk once computed, unless it can
+        never be one (0, not block aligned, or a chunk boundary: partial.partial_save_ends)."""
+        if end > 0 and end % block == 0 and end % chunk:
+            self.partial_ends.add(end)
 
 
 class SchedulerSide:
@@ -139,7 +155,7 @@ class SchedulerSide:
         req = st.request
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
-        blob = tokens_bytes(req.all_token_ids[:covered])
+        blob = st.tokens(covered)
         if self.events is not None:  # the worker binds these chunks' keys at this lookup
             self.events.snapshot(req, start // self.chunk, covered // self.chunk)
         replies: list[dict[str, Any]] = []
@@ -215,7 +231,7 @@ class SchedulerSide:
         if partial_end:
             covered = partial_end
         self._pending.add(request.request_id)
-        st.pending = LoadSpec(request.request_id, st.salt, tokens_bytes(request.all_token_ids[:covered]),
+        st.pending = LoadSpec(request.request_id, st.salt, st.tokens(covered),
                               start, end, ids, m.is_async, partial_end)
         st.hit_tokens += num_external_tokens
         st.load_tiers = dict(m.tiers)
@@ -265,7 +281,7 @@ class SchedulerSide:
                     if not st.hit_tokens:
                         # Only vLLM's own prefix cache got here: a prefix other requests share,
                         # so its block-aligned tail is worth a partial chunk.
-                        st.partial_ends.add(new.num_computed_tokens)
+                        st.note_partial_end(new.num_computed_tokens, self.chunk, self.block_size)
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -295,7 +311,7 @@ class SchedulerSide:
         st.saved_upto = end_chunk * c
         if self.events is not None:
             self.events.snapshot(req, start_chunk, end_chunk)
-        return SaveSpec(req.request_id, st.salt, tokens_bytes(req.all_token_ids[:end_chunk * c]),
+        return SaveSpec(req.request_id, st.salt, st.tokens(end_chunk * c),
                         start_chunk, end_chunk, ids[lo:hi])
 
     def _block_ids(self, st: _Req, block_state: Any) -> list[int]:
@@ -312,8 +328,11 @@ class SchedulerSide:
             return []
         req, c, bs = st.request, self.chunk, self.block_size
         done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
-        if done >= req.num_prompt_tokens:
-            st.partial_ends.add(req.num_prompt_tokens // bs * bs)
+        if done >= req.num_prompt_tokens and not st.prompt_end_noted:
+            st.prompt_end_noted = True
+            st.note_partial_end(req.num_prompt_tokens // bs * bs, c, bs)
+        if not st.partial_ends:  # every decode step of most requests: nothing to do
+            return []
         ends = [e for e in partial_save_ends(sorted(st.partial_ends), c, bs, done) if e not in st.partial_saved]
         if not ends:
             return []
@@ -325,7 +344,7 @@ class SchedulerSide:
                 continue
             st.partial_saved.add(e)
             st.partial_ends.discard(e)
-            specs.append(SaveSpec(req.request_id, st.salt, tokens_bytes(req.all_token_ids[:e]), k, k + 1,
+            specs.append(SaveSpec(req.request_id, st.salt, st.tokens(e), k, k + 1,
                                   ids[k * c // bs:e // bs], partial=True))
         return specs
 

@@ -256,8 +256,12 @@ class WorkerSide:
             return
         if self.events is not None and meta.saves:  # keys first: the saver's puts report them
             self.events.bind_saves(meta.saves, self.cache_for)
-        self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
-        self.prefetcher.discard(meta.dropped)
+        if meta.skipped_tokens:
+            self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
+        if meta.dropped:
+            self.prefetcher.discard(meta.dropped)
+        if not meta.loads:  # most steps: return before any per-load work
+            return
         for spec in meta.loads:
             if spec.is_async:
                 # Taken here, on the forward thread, whose current stream is the compute stream:
@@ -386,7 +390,10 @@ class WorkerSide:
         queued for ``take_errors`` in the same step, as vLLM requires."""
         if not self.enabled:
             return set()
-        self.prefetcher.discard(list(finished_req_ids))
+        if finished_req_ids:
+            self.prefetcher.discard(list(finished_req_ids))
+        if not self._async:
+            return set()
         done = {r for r, f in self._async.items() if f.done()}
         for req_id in done:
             outcome, failed = self._async.pop(req_id).result()
