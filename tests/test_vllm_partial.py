@@ -77,7 +77,7 @@ def test_partial_key_is_the_schema_key_and_differs_from_the_full_chunk_key() -> 
 
 
 def test_ranks_agree_on_a_partial_chunk_only_when_all_found_it() -> None:
-    from kvtier_vllm.scheduler import agree_on_hit
+    from kvtier_vllm.partial import agree_on_hit
 
     one = {"tokens": 2176, "full": 2048, "partial": 2176}
     assert agree_on_hit([one, dict(one)], 2176, 256) == (2176, 2176)

@@ -16,9 +16,10 @@ def connector_halves(tmp_path: Path, *, chunk: int, block: int, blocks: int, hea
     """(scheduler half, registered worker half, the per-layer caches); ``cpu``: the cpu tier's
     settings, ``vllm``: the connector's own settings (the lookup socket lives in ``tmp_path``)."""
     import torch
+    from kvtier_vllm.namespace import EngineInfo
     from kvtier_vllm.scheduler import SchedulerSide
     from kvtier_vllm.settings import load_settings
-    from kvtier_vllm.worker import EngineInfo, WorkerSide
+    from kvtier_vllm.worker import WorkerSide
 
     cfg, settings = load_settings({"chunk_tokens": chunk, "cpu": cpu,
                                    "vllm": {"socket_dir": str(tmp_path / "s"), **(vllm or {})}})

@@ -24,11 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError
 
+from .namespace import EngineInfo
 from .protocol import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import check_block_size, load_settings
 from .stats import KVTierStats
-from .worker import EngineInfo, WorkerSide
+from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata

@@ -8,7 +8,7 @@ so MLA uses one namespace for all ranks (a shared tier keeps one copy, not one p
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -17,28 +17,25 @@ from kvtier.keys import KVLayout, NamespaceSpec
 from .blocks import PagedLayout, dtype_name
 
 
-class EngineFacts(Protocol):
-    """What the namespace takes from ``worker.EngineInfo`` (which imports this module)."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the worker needs to know about the engine (gathered by connector.py)."""
 
-    @property
-    def model_id(self) -> str: ...
-    @property
-    def model_revision(self) -> str: ...
-    @property
-    def backend(self) -> str: ...
-    @property
-    def isa(self) -> str | None: ...
-    @property
-    def cache_dtype(self) -> str: ...
-    @property
-    def mla(self) -> bool: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
+    model_id: str
+    model_revision: str
+    block_size: int
+    cache_dtype: str
+    rank: int
+    world_size: int
+    dp_rank: int
+    engine_id: str
+    backend: str
+    isa: str | None
+    kv_events: bool
+    mla: bool = False  # MLA latent cache: one plane, the same bytes on every TP rank
 
 
-def engine_namespace(info: EngineFacts, layout: PagedLayout, first: torch.Tensor, num_layers: int,
+def engine_namespace(info: EngineInfo, layout: PagedLayout, first: torch.Tensor, num_layers: int,
                      heads: int, head_dim: int, chunk: int, hash_name: str) -> NamespaceSpec:
     """The namespace of the worker whose first KV cache tensor is ``first``."""
     revision = info.model_revision

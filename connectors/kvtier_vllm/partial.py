@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -123,3 +124,17 @@ def chunk_tokens_at(index: int, chunk: int, partial_end: int) -> int:
     if partial_end and index == partial_end // chunk:
         return partial_end - index * chunk
     return chunk
+
+
+def agree_on_hit(replies: list[dict[str, Any]], limit: int, chunk: int) -> tuple[int, int]:
+    """(usable tokens, partial chunk end or 0) every rank's lookup reply agrees on: a prefix
+    counts only if every rank holds its shard of it, and a partial chunk only if every rank
+    found the same one right after the same full chunks. No replies: a miss."""
+    if not replies:
+        return 0, 0
+    full = min(limit, *(int(r.get("full", r.get("tokens", 0))) for r in replies))
+    ends = {int(r.get("partial", 0)) for r in replies}
+    (pe,) = ends if len(ends) == 1 else (0,)
+    if pe and full == pe // chunk * chunk:
+        return min(limit, pe), pe
+    return full, 0

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from kvtier.config import KVTierConfig
 
 from .events import EventTracker
 from .ipc import LookupClient, socket_path
-from .partial import partial_save_ends
-from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadOutcome, LoadSpec, SaveSpec
+from .partial import agree_on_hit, partial_save_ends
+from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadSpec, SaveSpec
+from .request_state import LookupMatch, RequestState
 from .settings import VllmSettings, namespace_salt
 from .stats import KVTierStats, StatsCollector
 from .usage import SchedulerUsage
@@ -40,56 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FAST_TIERS = frozenset({"cpu", "memory", "gpu"})
-
-
-def tokens_bytes(tokens: Iterable[int]) -> bytes:
-    return np.fromiter(tokens, dtype="<u4").tobytes()
-
-
-@dataclass
-class _Match:
-    start: int          # tokens vLLM already has (block aligned)
-    usable: int         # end of the loadable run (block aligned, <= limit)
-    tiers: dict[str, int]
-    is_async: bool
-    at: float
-    partial_end: int = 0  # the run's last chunk is the partial chunk ending here (partial.py)
-    skipped: int = 0    # hit tokens after ``usable`` left to recompute: loading them is slower
-
-
-@dataclass
-class _Req:
-    request: Request
-    salt: bytes
-    saved_upto: int = 0
-    seen: bool = False                    # first scheduled yet
-    match: _Match | None = None
-    load_tiers: dict[str, int] = field(default_factory=dict)  # of the load last planned
-    pending: LoadSpec | None = None
-    async_inflight: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    hit_tokens: int = 0
-    hit_tiers: dict[str, int] = field(default_factory=dict)
-    outcome: LoadOutcome | None = None
-    partial_ends: set[int] = field(default_factory=set)  # partial chunks to save (once computed)
-    partial_saved: set[int] = field(default_factory=set)
-    prompt_end_noted: bool = False        # the prompt's block-aligned end is in partial_ends
-    skipped_tokens: int = 0
-    _tokens: bytes = b""                  # tokens_bytes of a prefix of the request (see tokens)
-
-    def tokens(self, n: int) -> bytes:
-        """The first ``n`` token ids as uint32-LE bytes. A prefix's ids never change, so they
-        are encoded once per request (again only when a later call asks past them), not at
-        each lookup, load and save."""
-        if len(self._tokens) < 4 * n:
-            self._tokens = tokens_bytes(self.request.all_token_ids)
-        return self._tokens[:4 * n]
-
-    def note_partial_end(self, end: int, chunk: int, block: int) -> None:
-        """Remember ``end`` as a prefix end worth a partial chunk once computed, unless it can
-        never be one (0, not block aligned, or a chunk boundary: partial.partial_save_ends)."""
-        if end > 0 and end % block == 0 and end % chunk:
-            self.partial_ends.add(end)
 
 
 class SchedulerSide:
@@ -107,7 +54,7 @@ class SchedulerSide:
                          settings.lookup_timeout_s)
             for r in range(world_size)
         ]
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._pending: set[str] = set()  # requests with a planned load not yet sent
         self._dropped: list[str] = []
         self._skipped = 0  # skipped tokens committed since the last metadata
@@ -120,11 +67,11 @@ class SchedulerSide:
         self.usage = SchedulerUsage(cfg, model, engine_id)  # engine usage reports (kvtier.usage)
 
     # --- lookup ---------------------------------------------------------------------------
-    def _state(self, request: Request) -> _Req:
+    def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None:
             salt = namespace_salt(self.cfg, getattr(request, "cache_salt", None))
-            st = self._reqs[request.request_id] = _Req(request, salt)
+            st = self._reqs[request.request_id] = RequestState(request, salt)
         return st
 
     def on_new_request(self, request: Request) -> None:
@@ -151,7 +98,7 @@ class SchedulerSide:
             return 0, False
         return hit, m.is_async
 
-    def _lookup(self, st: _Req, start: int, limit: int, covered: int, now: float) -> _Match:
+    def _lookup(self, st: RequestState, start: int, limit: int, covered: int, now: float) -> LookupMatch:
         req = st.request
         header = {"op": "lookup", "req": req.request_id, "salt": st.salt.hex(), "start": start,
                   "limit": limit, "prefetch": self.settings.prefetch}
@@ -183,7 +130,7 @@ class SchedulerSide:
         self.stats.add(lookups=1)
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)
-        return _Match(start, max(start, usable), tiers, is_async, now,
+        return LookupMatch(start, max(start, usable), tiers, is_async, now,
                       partial_end if usable == partial_end else 0, skipped if replies else 0)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
@@ -272,7 +219,7 @@ class SchedulerSide:
     def _track_blocks(self, so: SchedulerOutput) -> None:
         # Block tables as the workers see them; used when vLLM offers no KVConnectorBlockState.
         for new in so.scheduled_new_reqs:
-            st: _Req | None = self._reqs.get(new.req_id)
+            st: RequestState | None = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
                 if not st.seen:
@@ -294,7 +241,7 @@ class SchedulerSide:
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
 
-    def _plan_save(self, st: _Req, n_sched: int, block_state: Any) -> SaveSpec | None:
+    def _plan_save(self, st: RequestState, n_sched: int, block_state: Any) -> SaveSpec | None:
         req, c = st.request, self.chunk
         done = min(req.num_computed_tokens + n_sched, req.num_tokens)
         if not self.settings.save_decode:
@@ -314,14 +261,14 @@ class SchedulerSide:
         return SaveSpec(req.request_id, st.salt, st.tokens(end_chunk * c),
                         start_chunk, end_chunk, ids[lo:hi])
 
-    def _block_ids(self, st: _Req, block_state: Any) -> list[int]:
+    def _block_ids(self, st: RequestState, block_state: Any) -> list[int]:
         if block_state is not None:
             got = block_state.get_block_ids(st.request.request_id)
             if got:
                 return list(got[0])
         return st.block_ids
 
-    def _plan_partials(self, st: _Req, n_sched: int, block_state: Any) -> list[SaveSpec]:
+    def _plan_partials(self, st: RequestState, n_sched: int, block_state: Any) -> list[SaveSpec]:
         """Partial chunks (partial.py) of ``st`` computed by the end of this step: the prompt's
         block-aligned end and a local prefix-cache hit's end, each saved once."""
         if not self.settings.save_partial:
@@ -406,17 +353,3 @@ class SchedulerSide:
         for client in self._clients:
             client.close()
         self.usage.close()
-
-
-def agree_on_hit(replies: list[dict[str, Any]], limit: int, chunk: int) -> tuple[int, int]:
-    """(usable tokens, partial chunk end or 0) every rank's lookup reply agrees on: a prefix
-    counts only if every rank holds its shard of it, and a partial chunk only if every rank
-    found the same one right after the same full chunks. No replies: a miss."""
-    if not replies:
-        return 0, 0
-    full = min(limit, *(int(r.get("full", r.get("tokens", 0))) for r in replies))
-    ends = {int(r.get("partial", 0)) for r in replies}
-    (pe,) = ends if len(ends) == 1 else (0,)
-    if pe and full == pe // chunk * chunk:
-        return min(limit, pe), pe
-    return full, 0

@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ from .inflight import InflightChunks
 from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
 from .lookups import LookupAnswerer, signature_covers
-from .namespace import engine_namespace
+from .namespace import EngineInfo, engine_namespace
 from .partial import chunk_tokens_at
 from .protocol import (
     KVTierMetadata,
@@ -65,24 +64,6 @@ from .threads import background_pinner, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the worker needs to know about the engine (gathered by connector.py)."""
-
-    model_id: str
-    model_revision: str
-    block_size: int
-    cache_dtype: str
-    rank: int
-    world_size: int
-    dp_rank: int
-    engine_id: str
-    backend: str
-    isa: str | None
-    kv_events: bool
-    mla: bool = False  # MLA latent cache: one plane, the same bytes on every TP rank
 
 
 class WorkerSide:
