@@ -8,11 +8,15 @@ so MLA uses one namespace for all ranks (a shared tier keeps one copy, not one p
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
+from kvtier.cache import PrefixCache
+from kvtier.config import KVTierConfig
 from kvtier.keys import KVLayout, NamespaceSpec
+from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, dtype_name
 
@@ -51,3 +55,14 @@ def engine_namespace(info: EngineInfo, layout: PagedLayout, first: torch.Tensor,
         layout=KVLayout(num_layers, heads, head_dim, chunk, kv=layout.planes),
         kv_dtype=dtype_name(first.dtype), model_revision=revision, rank=rank,
         world_size=world, hash_name=hash_name)  # type: ignore[arg-type]
+
+
+def tenant_cache(store: TieredStore, cfg: KVTierConfig, base: NamespaceSpec, salt: bytes) -> PrefixCache:
+    """The prefix cache of the tenant whose namespace salt is ``salt`` (settings.namespace_salt;
+    empty: no tenant) over the worker's ``store``. Under key schema x1, ``salt`` seeds the page
+    chain instead and the namespace salt is ``cfg.salt`` alone, as SGLang's backend names it."""
+    x1 = cfg.key_schema == "x1"
+    spec = NamespaceSpec(**{**base.__dict__, "salt": cfg.salt if x1 else salt})
+    tenant = hashlib.sha256(salt).hexdigest()[:12] if salt else ""
+    return PrefixCache(store, spec, codec=cfg.codec, shuffle=cfg.shuffle, tenant=tenant,
+                       key_schema=cfg.key_schema, page_seed=(salt or None) if x1 else None)

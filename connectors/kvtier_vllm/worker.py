@@ -16,7 +16,6 @@ Failure
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import threading
@@ -30,7 +29,6 @@ import torch
 
 from kvtier.cache import PrefixCache
 from kvtier.config import KVTierConfig
-from kvtier.keys import NamespaceSpec
 from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
@@ -47,7 +45,7 @@ from .inflight import InflightChunks
 from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
 from .lookups import LookupAnswerer, signature_covers
-from .namespace import EngineInfo, engine_namespace
+from .namespace import EngineInfo, engine_namespace, tenant_cache
 from .partial import chunk_tokens_at
 from .protocol import (
     KVTierMetadata,
@@ -169,15 +167,7 @@ class WorkerSide:
         with self._lock:
             cache = self._caches.get(salt)
             if cache is None:
-                # x1: ``salt`` is the request's page-chain seed (settings.namespace_salt) and the
-                # namespace salt is salt_hex alone, as SGLang's backend names it.
-                x1 = self.cfg.key_schema == "x1"
-                spec = NamespaceSpec(**{**self.base_spec.__dict__, "salt": self.cfg.salt if x1 else salt})
-                tenant = hashlib.sha256(salt).hexdigest()[:12] if salt else ""
-                cache = PrefixCache(self.store, spec, codec=self.cfg.codec, shuffle=self.cfg.shuffle,
-                                    tenant=tenant, key_schema=self.cfg.key_schema,
-                                    page_seed=(salt or None) if x1 else None)
-                self._caches[salt] = cache
+                cache = self._caches[salt] = tenant_cache(self.store, self.cfg, self.base_spec, salt)
             return cache
 
     # --- loads ------------------------------------------------------------------------------------------
