@@ -34,10 +34,16 @@ from kvtier.prefetch import LoadedRange, read_verified
 from kvtier.tiers.base import PrefixPlaced
 
 
+def is_partial_end(end: int, chunk: int, block: int) -> bool:
+    """Whether a prefix ending at ``end`` can have a partial chunk: block aligned and inside a
+    chunk (positive, not a multiple of ``chunk``)."""
+    return end > 0 and end % block == 0 and end % chunk != 0
+
+
 def partial_save_ends(candidates: Sequence[int], chunk: int, block: int, done: int) -> list[int]:
-    """The prefix ends among ``candidates`` worth a partial chunk: block aligned, inside a chunk
-    (not a multiple of ``chunk``), computed (``<= done``); sorted, without repeats."""
-    return sorted({e for e in candidates if 0 < e <= done and e % block == 0 and e % chunk})
+    """The prefix ends among ``candidates`` worth a partial chunk (``is_partial_end``) and
+    computed (``<= done``); sorted, without repeats."""
+    return sorted({e for e in candidates if e <= done and is_partial_end(e, chunk, block)})
 
 
 def partial_candidates(full_end: int, limit: int, chunk: int, block: int, max_probes: int) -> list[int]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .partial import is_partial_end
 from .protocol import LoadOutcome, LoadSpec
 
 if TYPE_CHECKING:
@@ -63,6 +64,6 @@ class RequestState:
 
     def note_partial_end(self, end: int, chunk: int, block: int) -> None:
         """Remember ``end`` as a prefix end worth a partial chunk once computed, unless it can
-        never be one (0, not block aligned, or a chunk boundary: partial.partial_save_ends)."""
-        if end > 0 and end % block == 0 and end % chunk:
+        never be one (``partial.is_partial_end``)."""
+        if is_partial_end(end, chunk, block):
             self.partial_ends.add(end)

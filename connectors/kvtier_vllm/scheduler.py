@@ -131,7 +131,7 @@ class SchedulerSide:
         if usable > start:
             self.stats.add(lookup_hit_tokens=usable - start)
         return LookupMatch(start, max(start, usable), tiers, is_async, now,
-                      partial_end if usable == partial_end else 0, skipped if replies else 0)
+                           partial_end if usable == partial_end else 0, skipped if replies else 0)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
