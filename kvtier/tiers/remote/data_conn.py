@@ -3,8 +3,9 @@ and the shared-memory segment it may map.
 
 :class:`DataConn` reads kvtier.protocol.frames frames (chunk bodies straight into the caller's buffers
 when ``targets`` is set, else into fresh ``bytes``; on plain TCP each body is one
-``MSG_WAITALL`` call, and inside a GET reply the next frame's header comes with it), bounds every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain
-TCP, ``settimeout`` under TLS), and maps the server's shared segment when asked to: a sealed
+``MSG_WAITALL`` call, and inside a GET reply the next frame's header comes with it), bounds
+every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain TCP,
+``settimeout`` under TLS), and maps the server's shared segment when asked to: a sealed
 memfd whose descriptor it fetches over the abstract Unix socket SHM_READY names, with the
 ticket SHM_READY carries (SCM_RIGHTS; no name in /dev/shm). The segment is mapped only if
 its size is sealed (F_SEAL_SHRINK): nothing can shrink it under this process's mapping.
