@@ -3,8 +3,10 @@
 equal /api/cluster, a killed node shows as down within 5 s, hostile node and replica names
 render as text (no script of theirs runs), and screenshots are saved as artifacts.
 
-``KVTIER_UPDATE_SCREENSHOT=1`` also rewrites docs/img/dashboard.png (friendly names and a
-longer load, so that the chart has history); CI runs never touch the committed copy.
+``KVTIER_UPDATE_SCREENSHOT=1`` also rewrites docs/img/dashboard.png (friendly names, a longer
+load so that the chart has history, and the ``kvtier demo`` model with 512-token prefixes in
+1 MiB chunks, so that the TTFT card shows what a cache is for: with the test's tiny model a
+prefill costs less than a round trip); CI runs never touch the committed copy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ if not Path(CHROMIUM).exists():
     pytest.skip("no chromium (apt-get install chromium)", allow_module_level=True)
 
 from kvtier_hf import KVTierHF  # noqa: E402
-from kvtier_hf.random_llama import TEST_SPEC, TinyLlamaSpec, build_random_llama, random_prompt  # noqa: E402
+from kvtier_hf.random_llama import DEMO_SPEC, TEST_SPEC, build_random_llama, random_prompt  # noqa: E402
 
 from kvtier.config import KVTierConfig  # noqa: E402
 from tests.kvtier_servers import ROOT, ServerProc, start_server  # noqa: E402
@@ -41,6 +44,11 @@ HOSTILE_REPLICA = "<script>window.__pwned=2</script>replica"
 INTERVAL = 0.5
 BUCKET_S = 2.0 if not UPDATE else 5.0
 LOAD_S = 10.0 if not UPDATE else 120.0
+# Model sizes, shared prefix and chunk length (tokens), and the two nodes' RAM bounds.
+SPEC = TEST_SPEC if not UPDATE else DEMO_SPEC
+PREFIX_TOKENS, CHUNK_TOKENS = (96, 16) if not UPDATE else (512, 64)
+NODE_A_RAM = ("--disk-bytes", "64MiB") if not UPDATE else ("--disk-bytes", "256MiB", "--slot-bytes", "1100KiB")
+NODE_B_RAM = ("--cpu-bytes", "2MiB", "--slot-bytes", "64KiB") if not UPDATE else ("--cpu-bytes", "48MiB", "--slot-bytes", "1100KiB")
 
 
 @pytest.fixture()
@@ -50,8 +58,8 @@ def cluster(tmp_path: Path) -> Iterator[list[ServerProc]]:
     names = ("node-a", "node-b") if UPDATE else ("node-a", HOSTILE_NODE)
     nodes: list[ServerProc] = []
     try:
-        for name, port, extra in ((names[0], ha, ("--disk-dir", "disk", "--disk-bytes", "64MiB")),
-                                  (names[1], hb, ("--cpu-bytes", "2MiB", "--slot-bytes", "64KiB"))):
+        for name, port, extra in ((names[0], ha, ("--disk-dir", "disk", *NODE_A_RAM)),
+                                  (names[1], hb, NODE_B_RAM)):
             nodes.append(start_server(tmp_path / f"n{port}", "--node-id", name, "--peers", peers, *extra,
                                       "--set", f"usage_bucket_s={BUCKET_S}", name=f"n{port}",
                                       ports=("--port", "0", "--http-port", str(port), "--data-port", "0")))
@@ -66,15 +74,15 @@ class Load:
     fresh ones (misses), in a background thread, until paused."""
 
     def __init__(self, nodes: list[ServerProc]) -> None:
-        models = [build_random_llama(TEST_SPEC), build_random_llama(TinyLlamaSpec(seed=1))]
+        models = [build_random_llama(SPEC), build_random_llama(replace(SPEC, seed=1))]
         replicas = [("vllm-0", 0, "llama-3-8b-instruct"), ("vllm-1", 0, "llama-3-8b-instruct"),
                     ("vllm-2", 1, "qwen2.5-7b"), (HOSTILE_REPLICA if not UPDATE else "vllm-3", 1, "qwen2.5-7b")]
         self.engines = [KVTierHF(models[m], KVTierConfig.from_dict({
-            "chunk_tokens": 16, "cpu": {"enabled": False},
+            "chunk_tokens": CHUNK_TOKENS, "cpu": {"enabled": False},
             "grpc": {"enabled": True, "nodes": [n.address for n in nodes], "timeout_s": 1.0,
                      "backoff_s": 0.05, "backoff_max_s": 0.5},
             "usage": {"interval_s": INTERVAL, "replica_id": rid}}), model_id=mid) for rid, m, mid in replicas]
-        self.prefixes = [random_prompt(96, TEST_SPEC.vocab_size, 100 + i) for i in range(6)]
+        self.prefixes = [random_prompt(PREFIX_TOKENS, SPEC.vocab_size, 100 + i) for i in range(6)]
         self.rng = random.Random(5)
         self.running = threading.Event()
         self.idle = threading.Event()  # set by the thread between requests while paused
@@ -91,7 +99,7 @@ class Load:
                     continue
                 self.idle.clear()
                 hf = self.rng.choice(self.engines)
-                suffix = random_prompt(self.rng.randint(8, 40), TEST_SPEC.vocab_size, self.rng.randint(0, 1 << 30))
+                suffix = random_prompt(self.rng.randint(8, 40), SPEC.vocab_size, self.rng.randint(0, 1 << 30))
                 shared = self.rng.random() < 0.75
                 ids = (self.rng.choice(self.prefixes) if shared else []) + suffix
                 hf.generate(ids, 1)
