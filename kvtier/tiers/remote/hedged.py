@@ -9,6 +9,8 @@ raises then still marks its node down).
 
 Result per key: the bytes from whichever replica had them, else the miss of its best-ranked
 replica that answered, else ``node_down`` (no replica live) or the failing call's reason.
+When every key has one replica only, the same node, and there is no hedging, the read is
+that one call on the caller's thread (no rounds: there is no other replica to move to).
 Threads: runs on the caller's thread; node calls run on ``pool``.
 """
 
