@@ -41,6 +41,7 @@ MAGIC = b"KVTC"
 VERSION = 1
 _HEAD = struct.Struct("<4sHBBBBHI4I32s32sQQQ")
 _CHECK = struct.Struct("<Q")
+_HEADER = struct.Struct(_HEAD.format + "Q")  # the fields and the header checksum after them
 HEADER_SIZE = _HEAD.size + _CHECK.size
 assert HEADER_SIZE == 128
 FLAG_SHUFFLE = 1
@@ -57,6 +58,7 @@ DTYPES: dict[str, tuple[int, int]] = {
     "int8": (7, 1),
 }
 _DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+_CODEC_BY_ID = {int(c): c for c in Codec}
 
 Shape = tuple[int, int, int, int, int]  # (layers, kv, tokens, heads, head_dim)
 
@@ -177,25 +179,23 @@ def decode_header(data: Buf) -> ChunkHeader:
     view = memoryview(data).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise ChunkError("truncated", f"{view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    head = view[: _HEAD.size]
-    if bytes(head[:4]) != MAGIC:
-        raise ChunkError("bad_magic", f"magic {bytes(head[:4])!r} is not {MAGIC!r}")
-    (check,) = _CHECK.unpack(view[_HEAD.size : HEADER_SIZE])
-    if xxhash.xxh3_64_intdigest(head) != check:
+    # Every field at once (unpack_from: no slice objects), checked in the order below.
+    (magic, version, codec_id, flags, dcode, kv, _, _, layers, tokens, heads, head_dim,
+     namespace, key, raw_len, payload_len, checksum, check) = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise ChunkError("bad_magic", f"magic {magic!r} is not {MAGIC!r}")
+    if xxhash.xxh3_64_intdigest(view[: _HEAD.size]) != check:
         raise ChunkError("corrupt", "header checksum mismatch")
-    (_, version, codec_id, flags, dcode, kv, _, _, layers, tokens, heads, head_dim,
-     namespace, key, raw_len, payload_len, checksum) = _HEAD.unpack(head)
     if version != VERSION:
         raise ChunkError("bad_version", f"format version {version}, this reader knows {VERSION}")
-    try:
-        codec = Codec(codec_id)
-    except ValueError:
-        raise ChunkError("unknown_codec", f"codec id {codec_id}") from None
+    codec = _CODEC_BY_ID.get(codec_id)
+    if codec is None:
+        raise ChunkError("unknown_codec", f"codec id {codec_id}")
     dtype = _DTYPE_BY_CODE.get(dcode)
     if dtype is None:
         raise ChunkError("unknown_dtype", f"dtype code {dcode}")
     shape: Shape = (layers, kv, tokens, heads, head_dim)
-    if raw_len != math.prod(shape) * DTYPES[dtype][1]:
+    if raw_len != layers * kv * tokens * heads * head_dim * DTYPES[dtype][1]:
         raise ChunkError("layout_mismatch", f"raw length {raw_len} does not match shape {shape} of {dtype}")
     return ChunkHeader(codec, bool(flags & FLAG_SHUFFLE), dtype, shape, namespace, key,
                        raw_len, payload_len, checksum)

@@ -10,11 +10,21 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.protocol.frames import CHUNK, MISS, WireLimits, encode_chunk, encode_miss
+from kvtier.protocol.frames import (
+    CHUNK,
+    MISS,
+    PUT_REPLY,
+    ProtocolError,
+    WireLimits,
+    encode_chunk,
+    encode_error,
+    encode_header,
+    encode_miss,
+)
 from kvtier.tiers.remote.data_conn import DataConn
 
 REPLY = [("chunk", 70_000), ("miss", 0), ("chunk", 5), ("chunk", 300_000), ("miss", 0), ("chunk", 4097)]
@@ -119,3 +129,99 @@ def test_short_deadline_ends_a_blocked_read(pair: tuple[DataConn, socket.socket]
     conn.following = len(REPLY) - 1
     with pytest.raises(OSError):  # SO_RCVTIMEO: EAGAIN once the deadline passes
         conn.read(time.monotonic() + 0.3)
+
+
+def _expected_results(expected: list[tuple[int, int, bytes]]) -> list[bytes | str]:
+    return [body if ftype == CHUNK else body.decode() for ftype, _, body in expected]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("into", [True, False])
+def test_read_reply_reads_the_whole_reply_exactly(pair: tuple[DataConn, socket.socket], seed: int,
+                                                  into: bool) -> None:
+    """The lean loop the data path uses on plain TCP: the same reply in the same awkward
+    pieces gives every chunk (fresh bytes, or its length in the caller's buffer) and every
+    miss reason, and reads nothing past the reply."""
+    conn, server = pair
+    data, expected = _wire(seed)
+
+    def write() -> None:
+        for piece in _cuts(data, seed):
+            server.sendall(piece)
+            if len(piece) < 64:
+                time.sleep(0.001)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    targets = [memoryview(bytearray(size + 3)) for _, size in REPLY]
+    results, error = conn.read_reply(len(REPLY), targets if into else None, time.monotonic() + 30)
+    writer.join()
+    assert error is None
+    want = _expected_results(expected)
+    if into:
+        got = [bytes(targets[i][: r]) if isinstance(r, int) else r for i, r in enumerate(results)]
+        assert got == want
+    else:
+        assert results == want
+        assert all(type(r) is bytes for r in results if not isinstance(r, str))
+    with pytest.raises(BlockingIOError):
+        conn.sock.recv(1, socket.MSG_DONTWAIT)
+
+
+def test_read_reply_error_frame_refuses_the_request(pair: tuple[DataConn, socket.socket]) -> None:
+    conn, server = pair
+    server.sendall(b"".join(bytes(p) for p in encode_error(5, "not here")))
+    assert conn.read_reply(3, None, time.monotonic() + 30) == ([], (5, "not here"))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: encode_chunk(1, b"x"), "reply for index 1, expected 0"),
+    (lambda: [encode_header(PUT_REPLY, 0, 0, 0)], "expected CHUNK or MISS, got PUT_REPLY"),
+    (lambda: [b"XX" + encode_header(CHUNK, 0, 0, 0)[2:]], "bad frame magic"),
+    (lambda: [encode_header(CHUNK, 0x80, 0, 0)], "unknown frame flags"),
+    (lambda: [encode_header(MISS, 0, 0, 1 << 20)], "exceeds"),
+    (lambda: [encode_header(MISS, 0, 0, 2), b"\xff\xfe"], "MISS body is not UTF-8"),
+])
+def test_read_reply_is_strict(pair: tuple[DataConn, socket.socket], bad: Callable[[], list[bytes]],
+                              message: str) -> None:
+    conn, server = pair
+    server.sendall(b"".join(bytes(p) for p in bad()))
+    with pytest.raises(ProtocolError, match=message):
+        conn.read_reply(2, None, time.monotonic() + 30)
+
+
+def test_read_reply_error_after_a_chunk_is_a_protocol_error(pair: tuple[DataConn, socket.socket]) -> None:
+    conn, server = pair
+    server.sendall(b"".join(bytes(p) for p in [*encode_chunk(0, b"abc"), *encode_error(5, "late")]))
+    with pytest.raises(ProtocolError, match="expected CHUNK or MISS, got ERROR"):
+        conn.read_reply(2, None, time.monotonic() + 30)
+
+
+def test_read_reply_small_target_is_drained_then_noted(pair: tuple[DataConn, socket.socket]) -> None:
+    """A chunk larger than its buffer is read off the socket (the next request finds a clean
+    connection) and noted in ``overflow``; the chunks after it still land."""
+    conn, server = pair
+    server.sendall(b"".join(bytes(p) for p in [*encode_chunk(0, b"a" * 100), *encode_chunk(1, b"b" * 10)]))
+    targets = [memoryview(bytearray(50)), memoryview(bytearray(10))]
+    results, error = conn.read_reply(2, targets, time.monotonic() + 30)
+    assert error is None and conn.overflow == {0: 100}
+    assert results[1] == 10 and bytes(targets[1]) == b"b" * 10
+    with pytest.raises(BlockingIOError):
+        conn.sock.recv(1, socket.MSG_DONTWAIT)
+
+
+def test_read_reply_peer_closing_mid_reply_is_an_error(pair: tuple[DataConn, socket.socket]) -> None:
+    conn, server = pair
+    data, _ = _wire(3)
+    server.sendall(data[:1000])
+    server.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionError):
+        conn.read_reply(len(REPLY), None, time.monotonic() + 30)
+
+
+def test_read_reply_short_deadline_ends_a_blocked_read(pair: tuple[DataConn, socket.socket]) -> None:
+    conn, server = pair
+    data, _ = _wire(2)
+    server.sendall(data[:40_000])
+    with pytest.raises(OSError):  # SO_RCVTIMEO: EAGAIN once the deadline passes
+        conn.read_reply(len(REPLY), None, time.monotonic() + 0.3)

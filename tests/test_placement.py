@@ -23,6 +23,7 @@ from kvtier.tiers.remote.placement import (
     PLACEMENT_VERSION,
     VNODES,
     Ring,
+    key_positions,
     prefix_placement,
     probe_waves,
 )
@@ -128,6 +129,18 @@ def test_replicas_are_distinct_and_capped_by_the_node_count() -> None:
         assert sorted(reps) == ["a:1", "b:1"]
     with pytest.raises(ValueError, match="at least one node"):
         Ring([])
+
+
+def test_one_node_ring_places_as_the_ring_lookup_does() -> None:
+    """place_keys skips the ring lookup for a one-node ring: same names as the lookup,
+    same refusal of a too-short key."""
+    ring = Ring(["only:1"])
+    keys = make_keys(20, seed=25)
+    for replicas in (1, 3):
+        looked_up = [[ring.names[i] for i in row] for row in ring.replicas_at(key_positions(keys), replicas)]
+        assert ring.place_keys(keys, replicas) == looked_up == [["only:1"]] * 20
+    with pytest.raises(ValueError, match="at least 8 bytes"):
+        ring.place_keys([b"short"], 1)
 
 
 def test_discovery_settings_are_parsed_or_refused_by_name() -> None:

@@ -30,8 +30,16 @@ from collections.abc import Sequence
 
 from kvtier.protocol.frames import (
     CHUNK,
+    ERROR,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
     MISS,
+    MORE,
+    PARENT,
+    SHM,
     SHM_READY,
+    TYPE_NAMES,
     Frame,
     FrameReader,
     ProtocolError,
@@ -40,6 +48,8 @@ from kvtier.protocol.frames import (
     WireLimits,
     encode_shm_mapped,
     encode_shm_open,
+    parse_header,
+    parse_ref,
     parse_shm_ready,
 )
 from kvtier.protocol.socket_io import read_frame, send_all
@@ -51,6 +61,8 @@ log = logging.getLogger("kvtier.tiers.remote.data_path")
 _REARM_S = 0.01
 _SHM_SEALED = fcntl.F_SEAL_SHRINK
 _REPLIES = (CHUNK, MISS)
+_FLAGS = MORE | PARENT | SHM
+_UNPACK = HEADER.unpack_from
 
 
 class DataConn:
@@ -72,6 +84,10 @@ class DataConn:
         self.shm: memoryview | None = None  # this connection's shared segment, once mapped
         self._shm_map: mmap.mmap | None = None
         self.reader = FrameReader(limits, self._target)
+        self._head = memoryview(bytearray(HEADER_SIZE))  # read_reply's frame headers
+        self._small = bytearray(0)  # read_reply's bodies that are not chunks (grows)
+        # Largest body read_reply accepts per frame type (parse_header's limits).
+        self._max_body = {t: limits.max_body(t) for t in (CHUNK, MISS, ERROR)}
 
     def _target(self, header: object) -> memoryview | None:
         if self.targets is None or getattr(header, "type", None) != CHUNK:
@@ -144,6 +160,121 @@ class DataConn:
             frame = reader.advance(n)
             if frame is not None:
                 return frame
+
+    def read_reply(self, n: int, targets: Sequence[memoryview] | None, deadline: float
+                   ) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
+        """The whole reply to a GET of ``n`` keys on plain TCP, read and checked frame by frame
+        as :meth:`read` and :class:`~kvtier.protocol.session.GetReplyCollector` do together
+        (same checks, same ProtocolError messages), in one loop with no per-frame objects:
+        (``results``, ``error``). ``results[i]`` is chunk i as fresh ``bytes`` (``targets`` None),
+        or its length once it is in ``targets[i]``, or the miss reason; shared-memory
+        references are copied out as they come (as ``_get`` does). ``error`` is the (code,
+        message) of an ERROR that refused the request (``results`` is then empty).
+
+        Reads: a body is one MSG_WAITALL call, into ``targets[i]`` with the next frame's header
+        in the same ``recvmsg_into`` (get_into), or into fresh bytes (get: then the header is
+        its own call). A target too small for its chunk, or for a shared-memory chunk, is noted
+        (``overflow`` / a ValueError raised once the reply is drained); the connection stays
+        usable. Every call is bounded by ``deadline`` (SO_RCVTIMEO; a short read loops)."""
+        head, max_body = self._head, self._max_body
+        results: list[bytes | int | str] = []
+        value_error: ValueError | None = None
+        have = 0  # bytes of this frame's header read with the previous body
+        for i in range(n):
+            self.set_deadline(deadline)
+            if have < HEADER_SIZE:
+                self._fill(head[have:], deadline)
+            have = 0
+            magic, ftype, flags, count, length = _UNPACK(head)
+            if magic != MAGIC or flags & ~_FLAGS or length > max_body.get(ftype, -1):
+                parse_header(head, self.reader.limits)  # raises its precise error for these
+            if ftype == ERROR and i == 0:
+                return [], (count, self._text(self._body(length, False, deadline)[0], ftype))
+            if ftype != CHUNK and ftype != MISS:
+                raise ProtocolError(f"expected CHUNK or MISS, got {TYPE_NAMES[ftype]}")
+            if count != i:
+                raise ProtocolError(f"reply for index {count}, expected {i}")
+            more = i + 1 < n
+            if ftype == MISS:
+                body, have = self._body(length, more, deadline)
+                results.append(self._text(body, ftype))
+            elif flags & SHM:
+                body, have = self._body(length, more, deadline)
+                ref = parse_ref(body, "CHUNK")
+                try:
+                    results.append(self.resolve(ref, targets[i] if targets is not None else None))
+                except ValueError as exc:  # the caller's buffer is too small: drain first
+                    value_error = exc
+                    results.append("error")
+            elif targets is None:
+                results.append(self._recv_bytes(length, deadline))
+            else:
+                target = targets[i] if i < len(targets) else None
+                if target is not None and target.nbytes >= length:
+                    have = self._recv_body(target[:length], more, deadline)
+                else:  # drained into our own buffer; the caller raises ValueError
+                    self.overflow[i] = length
+                    have = self._body(length, more, deadline)[1]
+                results.append(length)
+        if value_error is not None:
+            raise value_error
+        return results, None
+
+    def _fill(self, view: memoryview, deadline: float) -> None:
+        """Fill ``view`` (MSG_WAITALL; a short read re-arms the deadline and goes on)."""
+        got, size = 0, view.nbytes
+        while got < size:
+            if got:
+                self.set_deadline(deadline)
+            k = self.sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+            if k == 0:
+                raise ConnectionError("node closed the data connection")
+            got += k
+
+    def _recv_body(self, body: memoryview, more: bool, deadline: float) -> int:
+        """Read ``body`` whole, and when ``more`` the next frame's header with it (one
+        ``recvmsg_into``); returns how many bytes of that header came (0-16)."""
+        if not more:
+            if body.nbytes:
+                self._fill(body, deadline)
+            return 0
+        k = self.sock.recvmsg_into([body, self._head], 0, socket.MSG_WAITALL)[0]
+        if k == 0:
+            raise ConnectionError("node closed the data connection")
+        if k < body.nbytes:  # cut short (a signal, the timeout re-armed): the rest alone
+            self.set_deadline(deadline)
+            self._fill(body[k:], deadline)
+            return 0
+        return k - body.nbytes
+
+    def _body(self, length: int, more: bool, deadline: float) -> tuple[memoryview, int]:
+        """A body that is not a chunk for the caller, read into this connection's own buffer
+        (valid until the next call), and how many bytes of the next header came with it."""
+        if len(self._small) < length:
+            self._small = bytearray(length)
+        body = memoryview(self._small)[:length]
+        return body, self._recv_body(body, more, deadline)
+
+    def _recv_bytes(self, length: int, deadline: float) -> bytes:
+        """A chunk body as fresh ``bytes``: one MSG_WAITALL ``recv`` (no copy after the
+        kernel's); a short read is completed in a buffer and copied once."""
+        data = self.sock.recv(length, socket.MSG_WAITALL)
+        if len(data) == length:
+            return data
+        if not data:
+            raise ConnectionError("node closed the data connection")
+        buf = bytearray(length)
+        buf[: len(data)] = data
+        self.set_deadline(deadline)
+        self._fill(memoryview(buf)[len(data) :], deadline)
+        return bytes(buf)
+
+    @staticmethod
+    def _text(body: memoryview, ftype: int) -> str:
+        try:
+            return bytes(body).decode()
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{TYPE_NAMES[ftype]} body is not UTF-8") from None
 
     def close(self) -> None:
         try:

@@ -29,7 +29,8 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -193,29 +194,20 @@ class SocketDataPath:
                 raise NodeError(NODE_DOWN, f"data path {self.host}:{self.port}: connection lost", down=False) from None
 
     def _get(self, keys: Sequence[bytes], targets: Sequence[memoryview] | None,
-             deadline: float) -> list[bytes | int | str | ShmRef]:
+             deadline: float) -> list[bytes | int | str]:
         conn = self._checkout(deadline)
         ok = False
         try:
             conn.set_deadline(deadline)
             conn.targets = targets
             send_all(conn.sock, encode_get(keys))
-            collector = GetReplyCollector(len(keys), into=targets is not None)
-            results = collector.results
-            value_error: ValueError | None = None
-            while not collector.done:
-                conn.following = len(keys) - len(results) - 1  # after this one, if not an ERROR
-                collector.accept(conn.read(deadline))
-                last = results[-1] if results else None
-                if isinstance(last, ShmRef):  # copy it out now, while the server fills the next
-                    i = len(results) - 1
-                    try:
-                        results[i] = conn.resolve(last, targets[i] if targets is not None else None)
-                    except ValueError as exc:  # the caller's buffer is too small: drain first
-                        value_error, results[i] = exc, "error"
+            read = conn.read_reply if not conn.tls else partial(self._collect, conn)  # TLS: no MSG_WAITALL
+            try:
+                results, error = read(len(keys), targets, deadline)
+            except ValueError:  # a caller's buffer too small; the reply was drained
+                ok = True
+                raise
             ok = True
-            if value_error is not None:
-                raise value_error
             overflow, conn.overflow = conn.overflow, {}
         except (OSError, ProtocolError, ssl.SSLError) as exc:
             if conn.reused and isinstance(exc, ConnectionError):
@@ -223,12 +215,34 @@ class SocketDataPath:
             raise _io_error(exc, f"data path {self.host}:{self.port} GET") from None
         finally:
             self._checkin(conn, ok)
-        if collector.error is not None:
-            raise _refused(collector.error, f"data path {self.host}:{self.port} GET")
+        if error is not None:
+            raise _refused(error, f"data path {self.host}:{self.port} GET")
         if overflow and targets is not None:  # the reply was drained: the connection is fine
             i, n = next(iter(overflow.items()))
             raise ValueError(f"buffer of {targets[i].nbytes} bytes is too small for a {n}-byte chunk")
-        return collector.results
+        return results
+
+    @staticmethod
+    def _collect(conn: DataConn, n: int, targets: Sequence[memoryview] | None, deadline: float
+                 ) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
+        """A GET reply frame by frame through :meth:`DataConn.read` (TLS): what
+        :meth:`DataConn.read_reply` returns, and the same ValueError once the reply is drained."""
+        collector = GetReplyCollector(n, into=targets is not None)
+        results = collector.results
+        value_error: ValueError | None = None
+        while not collector.done:
+            conn.following = n - len(results) - 1  # after this one, if not an ERROR
+            collector.accept(conn.read(deadline))
+            last = results[-1] if results else None
+            if isinstance(last, ShmRef):  # copy it out now, while the server fills the next
+                i = len(results) - 1
+                try:
+                    results[i] = conn.resolve(last, targets[i] if targets is not None else None)
+                except ValueError as exc:  # the caller's buffer is too small: drain first
+                    value_error, results[i] = exc, "error"
+        if value_error is not None:
+            raise value_error
+        return cast(list[bytes | int | str], results), collector.error  # every ShmRef resolved above
 
     def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         out: list[bool] = []

@@ -9,6 +9,8 @@ raises then still marks its node down).
 
 Result per key: the bytes from whichever replica had them, else the miss of its best-ranked
 replica that answered, else ``node_down`` (no replica live) or the failing call's reason.
+When every key has one replica only, the same node, and there is no hedging, the read is
+that one call on the caller's thread (no rounds: there is no other replica to move to).
 Threads: runs on the caller's thread; node calls run on ``pool``.
 """
 
@@ -35,6 +37,17 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
                 failed: Callable[[NodeClient, NodeError], None]) -> list[V | Miss]:
     deadline = time.monotonic() + timeout_s
     n = len(placement)
+    only = _only_node(placement) if hedge_s <= 0 else None
+    if only is not None:  # one replica, one node, nothing to race: one call, no rounds
+        client = view.clients.get(only)
+        if client is None or not client.up:
+            return [Miss(NODE_DOWN)] * n
+        try:
+            with client.use(deadline):
+                return list(fetch(client, list(range(n)), deadline))
+        except NodeError as exc:
+            failed(client, exc)
+            return [Miss(exc.reason)] * n
     out: list[V | Miss] = [Miss(NODE_DOWN)] * n
     answered: set[int] = set()  # keys whose best reachable replica has given a reason
     done_keys: set[int] = set()  # keys served
@@ -116,6 +129,14 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
         todo = [p for p in range(n) if p not in done_keys and live_next(p) is not None
                 and not any(p in ps for _, ps in pending.values())]
     return out
+
+
+def _only_node(placement: Sequence[Sequence[str]]) -> str | None:
+    """The node name when every key has that one replica and no other, else None."""
+    if not placement or len(placement[0]) != 1:
+        return None
+    first = placement[0]
+    return first[0] if all(p == first for p in placement) else None
 
 
 def _late(fut: Future[Sequence[V | Miss]], client: NodeClient, failed: Callable[[NodeClient, NodeError], None]) -> None:

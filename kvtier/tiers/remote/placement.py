@@ -132,6 +132,10 @@ class Ring:
     def place_keys(self, anchor_keys: Sequence[bytes], replicas: int) -> list[list[str]]:
         """Replica names for each anchor key, best first. Keys of one group share one list
         (one ring lookup per distinct anchor): treat the lists as read-only."""
+        if len(self.names) == 1:  # every position lands on the one node: no ring lookup
+            if any(len(k) < 8 for k in anchor_keys):
+                raise ValueError("placement needs keys of at least 8 bytes")
+            return [list(self.names)] * len(anchor_keys)
         distinct = list(dict.fromkeys(anchor_keys))
         rows: list[list[str]] = self._name_array[self.replicas_at(key_positions(distinct), replicas)].tolist()
         if len(distinct) == len(anchor_keys):
