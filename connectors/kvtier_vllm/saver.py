@@ -54,8 +54,14 @@ class SaveJob:
 
 class Saver:
     def __init__(self, cache_for: Callable[[bytes], PrefixCache], chunk: int, depth: int,
-                 thread_init: Callable[[], None], stats: StatsCollector, cmetrics: ConnectorMetrics) -> None:
+                 thread_init: Callable[[], None], stats: StatsCollector, cmetrics: ConnectorMetrics,
+                 probed: Callable[[], bool] = lambda: False) -> None:
+        """``probed()``: whether the capture asks every tier of the store whether it holds a
+        chunk before claiming it (capture.py): then a job's chunks are missing and are written
+        without a store lookup. False (e.g. a remote tier, not probed from the forward thread):
+        look up first and skip the chunks the store holds."""
         self._cache_for = cache_for
+        self._probed = probed
         self._chunk = chunk
         self._stats, self._cmetrics = stats, cmetrics
         self._depth = depth
@@ -115,22 +121,10 @@ class Saver:
         if spec.partial:  # one partial chunk (partial.py): KV events never announce it
             n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=False)
             self._stats.add(partial_save_chunks=n)
-        else:
-            n = 0
-            for a, b in runs(job.chunks):
-                # Chunks before ``a`` may be another job's, still in flight: save this run only.
-                n += cache.save(tokens[:b * c], payload_for, start_chunk=a, full_chunks_only=True)
+        else:  # job.keys: the capture's keys of the prefix; no rehash here
+            n = cache.store_chunks(job.keys, job.chunks, lambda j: raw[slot_of[j]].data,
+                                   skip_held=not self._probed())
         self._stats.add(save_chunks=n, save_bytes=n * int(raw[0].nbytes) if raw else 0,
                         save_seconds=time.perf_counter() - t0)
         self._cmetrics.save_chunks.inc(n)
 
-
-def runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
-    """Ascending chunk indexes as ``[start, end)`` runs of consecutive ones."""
-    out: list[tuple[int, int]] = []
-    for j in chunks:
-        if out and out[-1][1] == j:
-            out[-1] = (out[-1][0], j + 1)
-        else:
-            out.append((j, j + 1))
-    return out

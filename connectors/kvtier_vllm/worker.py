@@ -62,6 +62,7 @@ from .threads import background_pinner, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
+_LOCAL = (CpuTier, MemoryTier, DiskTier)  # in-process tiers: a probe costs microseconds
 
 
 class WorkerSide:
@@ -120,7 +121,7 @@ class WorkerSide:
         self.pipeline = LayerPipeline(thread_init=pin)
         self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load", initializer=pin)
         self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
-                           self.stats, self.cmetrics)
+                           self.stats, self.cmetrics, probed=self._probes_all)
         self.use_copier(self.copier)
         path = socket_path(info.engine_id, info.dp_rank, info.rank, self.settings.socket_dir)
         self.answerer = LookupAnswerer(self.cache_for, self.chunk, info.block_size, self.prefetcher,
@@ -152,13 +153,18 @@ class WorkerSide:
                                    self.info.block_size, self.stats, self.cache_for, self.inflight,
                                    self._stored_locally)
 
+    def _probes_all(self) -> bool:
+        """Whether ``_stored_locally`` asks every tier (then the saver skips its lookup); asked
+        per save, as tests swap the store after ``register``."""
+        return all(isinstance(t, _LOCAL) for t in self.store.tiers)
+
     def _stored_locally(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the store's leading in-process tiers (cpu, memory, disk)
         hold: a probe of those costs microseconds on the forward thread. A remote tier is not
         asked from there; the saver's own lookup skips what it already holds."""
         pos = 0
         for tier in self.store.tiers:
-            if pos >= len(keys) or not isinstance(tier, (CpuTier, MemoryTier, DiskTier)):
+            if pos >= len(keys) or not isinstance(tier, _LOCAL):
                 break
             pos += tier.probe(keys[pos:]).hits
         return pos
