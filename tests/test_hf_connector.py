@@ -135,6 +135,30 @@ def test_pipelined_restore_stops_at_a_chunk_gone_after_lookup(model: torch.nn.Mo
             assert torch.equal(a[:, :, :want], b)
 
 
+@pytest.mark.parametrize("sets", [2, 3, 8])
+def test_restore_reuses_a_connector_ring_and_keeps_bytes_exact(model: torch.nn.Module, store: TieredStore,
+                                                               sets: int) -> None:
+    """One staging ring, one chunk per batch, far fewer sets than batches, two restores in a
+    row: every set is reused many times while reads run ahead, and the bytes stay exact (a
+    read let into a set whose copy is not done would restore another chunk's K/V)."""
+    import kvtier_hf.restore as restore_mod
+    from kvtier_hf.staging import StagingRing
+
+    hf = _hf(model, store)
+    ids = _prompt(12 * CHUNK + 5)
+    cache, _ = _full_forward(model, ids)
+    assert hf.save(ids, cache) == 13
+    ring = StagingRing(restore_mod.buffer_bytes(hf.prefix_cache), 1, sets)
+    hit = hf.prefix_cache.lookup(ids)
+    for _ in range(2):
+        got = restore_mod.restore(hf.prefix_cache, np.asarray(ids), hit.tokens, len(ids) - 1, torch.float32,
+                                  model.config, staging=ring)
+        assert got.tokens == len(ids) - 1
+        for layer in range(TEST_SPEC.num_layers):
+            for a, b in zip(layer_kv(cache, layer), layer_kv(got.cache, layer)):
+                assert torch.equal(a[:, :, :len(ids) - 1], b)
+
+
 def test_restored_generation_matches_transformers(model: torch.nn.Module, store: TieredStore) -> None:
     hf = _hf(model, store)
     ids = _prompt(100)

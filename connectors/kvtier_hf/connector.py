@@ -46,7 +46,7 @@ from kvtier_hf.compat import (
     text_config,
 )
 from kvtier_hf.kv import kv_payload
-from kvtier_hf.restore import restore
+from kvtier_hf.restore import restore, staging_for
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,8 @@ class KVTierHF:
         self.dtype = KV_TO_TORCH_DTYPE[self.spec.kv_dtype]
         if has_sliding_layers(new_cache(model.config)):
             raise ValueError("kvtier_hf supports full-attention models; this one has sliding-window layers")
+        # The restore's read buffers, allocated and pre-faulted once for this connector's life.
+        self._staging = staging_for(self.prefix_cache)
 
     @property
     def device(self) -> torch.device:
@@ -204,7 +206,8 @@ class KVTierHF:
             return RestoredPrefix(new_cache(self.model.config), 0, {}, hit.reason,
                                   time.perf_counter() - t0)
         use = min(hit.tokens, len(ids) - 1)
-        got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config, self.device)
+        got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config, self.device,
+                      self._staging)
         reason = got.reason if got.tokens < use else hit.reason
         log.debug("restored %d/%d prompt tokens (%s)", got.tokens, len(ids), got.per_tier)
         seconds = time.perf_counter() - t0

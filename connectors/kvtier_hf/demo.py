@@ -206,7 +206,10 @@ def tier_read_gbps(hf: Any, prompt: Sequence[int], res: Any, reps: int = 3) -> f
     cache = hf.prefix_cache
     name = max(res.hits_per_tier, key=res.hits_per_tier.get)
     tier = next(t for t in cache.store.tiers if t.name == name)
-    keys = cache.keys(prompt[: res.restored_tokens])
+    # The chunks the restore read: the first n chunks of the prompt, the last of them possibly
+    # the prompt's partial chunk (keys of prompt[:restored_tokens] would name a partial chunk
+    # one token shorter, which is not stored: a miss, not a read).
+    keys = cache.keys(prompt)[: sum(res.hits_per_tier.values())]
     size = buffer_bytes(cache)
     outs = [page_aligned_buffer(size) for _ in keys]
     rates = []
