@@ -34,6 +34,20 @@ def files(root: Path) -> int:
     return sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
 
+def disk_throughput(b: Any, plain: Any) -> tuple[list[float], list[float], int]:
+    """The disk phase: a disk-only replica (no cpu tier) against ``plain``, paired as in
+    ``throughput_pair``; (tok/s saving on, tok/s off, chunk files the disk tier gained)."""
+    disk_dir = b.work / "disk"
+    disk = b.replica("disk", {"cpu": {"enabled": False},
+                              "disk": {"enabled": True, "path": str(disk_dir), "capacity_bytes": "4GiB"}})
+    before = files(disk_dir)
+    try:
+        on, off = b.throughput_pair(plain, disk)
+    finally:
+        disk.close()
+    return on, off, files(disk_dir) - before
+
+
 def save_only(b: Any) -> dict[str, Any]:
     """The cpu, disk and remote save phases of bench/e2e_vllm.py (same engines, same tiers,
     same paired measurement), nothing else; returns their JSON keys."""
@@ -49,15 +63,7 @@ def save_only(b: Any) -> dict[str, Any]:
             runs["tok_s_on"], runs["tok_s_off"] = b.throughput_pair(plain, cpu)
         finally:
             cpu.close()
-        disk_dir = b.work / "disk"
-        disk = b.replica("disk", {"cpu": {"enabled": False},
-                                  "disk": {"enabled": True, "path": str(disk_dir), "capacity_bytes": "4GiB"}})
-        before = files(disk_dir)
-        try:
-            runs["tok_s_on_disk"], runs["tok_s_off_disk_phase"] = b.throughput_pair(plain, disk)
-        finally:
-            disk.close()
-        res["saved_chunks_disk"] = files(disk_dir) - before
+        runs["tok_s_on_disk"], runs["tok_s_off_disk_phase"], res["saved_chunks_disk"] = disk_throughput(b, plain)
         server = start_server(b.work / "server", "--cpu-bytes", "1GiB", "--slot-bytes", "4MiB", timeout=60)
         try:
             remote = b.replica("remote", {"cpu": {"enabled": False}, "grpc": {

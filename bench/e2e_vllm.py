@@ -59,7 +59,7 @@ from kvtier_hf.random_llama import TinyLlamaSpec  # noqa: E402
 
 from bench._e2e_batch import batch_phase  # noqa: E402
 from bench._e2e_fixed import fixed_ms, one_chunk_restores  # noqa: E402
-from bench._e2e_save import files, pair_line, pair_ratios, save_only  # noqa: E402
+from bench._e2e_save import disk_throughput, pair_line, pair_ratios, save_only  # noqa: E402
 from bench._stats import fmt, median  # noqa: E402
 from tests.vllm_model import build_model, random_tokens  # noqa: E402
 from tests.vllm_replica import Replica  # noqa: E402
@@ -167,15 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tput_on, tput_off = b.throughput_pair(plain, cpu)
     b.fixed["local"] = one_chunk_restores(b, cpu, "cpu", lambda n: time.sleep(0.5))
     cpu.close()
-    disk_dir = b.work / "disk"
-    disk = b.replica("disk", {"cpu": {"enabled": False},
-                              "disk": {"enabled": True, "path": str(disk_dir), "capacity_bytes": "4GiB"}})
-    files_before = files(disk_dir)
-    try:
-        tput_disk, tput_off_disk = b.throughput_pair(plain, disk)
-    finally:
-        disk.close()
-    saved_disk = files(disk_dir) - files_before
+    tput_disk, tput_off_disk, saved_disk = disk_throughput(b, plain)
     res.update(batch_phase(b, plain))
     print(f"TTFT cold (no kvtier)              {fmt(cold, 's', 3)}")
     print(f"TTFT suffix only, plain engine     {fmt(floor_plain, 's', 3)}")

@@ -57,6 +57,20 @@ def _cuts(data: bytes, seed: int) -> Iterator[bytes]:
         pos += n
 
 
+def _send_in_pieces(server: socket.socket, data: bytes, seed: int) -> threading.Thread:
+    """A started thread that sends ``data`` in ``_cuts``' awkward pieces, pausing after short
+    ones so that the reader blocks on a partial header."""
+    def write() -> None:
+        for piece in _cuts(data, seed):
+            server.sendall(piece)
+            if len(piece) < 64:
+                time.sleep(0.001)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    return writer
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[DataConn, socket.socket]]:
     with socket.create_server(("127.0.0.1", 0)) as listener:  # TCP, as the data path uses
@@ -74,15 +88,7 @@ def pair() -> Iterator[tuple[DataConn, socket.socket]]:
 def test_reply_frames_read_exactly(pair: tuple[DataConn, socket.socket], seed: int, into: bool) -> None:
     conn, server = pair
     data, expected = _wire(seed)
-
-    def write() -> None:
-        for piece in _cuts(data, seed):
-            server.sendall(piece)
-            if len(piece) < 64:
-                time.sleep(0.001)  # let the reader block on a partial header
-
-    writer = threading.Thread(target=write)
-    writer.start()
+    writer = _send_in_pieces(server, data, seed)
     targets = [memoryview(bytearray(size + 3)) for _, size in REPLY]
     conn.targets = targets if into else None
     deadline = time.monotonic() + 30
@@ -144,15 +150,7 @@ def test_read_reply_reads_the_whole_reply_exactly(pair: tuple[DataConn, socket.s
     miss reason, and reads nothing past the reply."""
     conn, server = pair
     data, expected = _wire(seed)
-
-    def write() -> None:
-        for piece in _cuts(data, seed):
-            server.sendall(piece)
-            if len(piece) < 64:
-                time.sleep(0.001)
-
-    writer = threading.Thread(target=write)
-    writer.start()
+    writer = _send_in_pieces(server, data, seed)
     targets = [memoryview(bytearray(size + 3)) for _, size in REPLY]
     results, error = conn.read_reply(len(REPLY), targets if into else None, time.monotonic() + 30)
     writer.join()
