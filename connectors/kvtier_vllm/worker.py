@@ -32,9 +32,6 @@ from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
-from kvtier.tiers.cpu import CpuTier
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.memory import MemoryTier
 
 from .blocks import PagedLayout, detect_layout, heads_dim, kv_views
 from .capture import StepCapture
@@ -44,6 +41,7 @@ from .events import WorkerEvents
 from .inflight import InflightChunks
 from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
+from .local_probe import held_locally, probes_every_tier
 from .lookups import LookupAnswerer, signature_covers
 from .namespace import EngineInfo, engine_namespace, tenant_cache
 from .partial import chunk_tokens_at
@@ -62,7 +60,6 @@ from .threads import background_pinner, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
-_LOCAL = (CpuTier, MemoryTier, DiskTier)  # in-process tiers: a probe costs microseconds
 
 
 class WorkerSide:
@@ -153,21 +150,11 @@ class WorkerSide:
                                    self.info.block_size, self.stats, self.cache_for, self.inflight,
                                    self._stored_locally)
 
-    def _probes_all(self) -> bool:
-        """Whether ``_stored_locally`` asks every tier (then the saver skips its lookup); asked
-        per save, as tests swap the store after ``register``."""
-        return all(isinstance(t, _LOCAL) for t in self.store.tiers)
+    def _probes_all(self) -> bool:  # read per save: tests swap the store after ``register``
+        return probes_every_tier(self.store)
 
     def _stored_locally(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the store's leading in-process tiers (cpu, memory, disk)
-        hold: a probe of those costs microseconds on the forward thread. A remote tier is not
-        asked from there; the saver's own lookup skips what it already holds."""
-        pos = 0
-        for tier in self.store.tiers:
-            if pos >= len(keys) or not isinstance(tier, _LOCAL):
-                break
-            pos += tier.probe(keys[pos:]).hits
-        return pos
+        return held_locally(self.store, keys)
 
     def cache_for(self, salt: bytes) -> PrefixCache:
         with self._lock:
