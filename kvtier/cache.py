@@ -201,10 +201,7 @@ class PrefixCache:
         entries: list[Entry] = []
         for i in range(first, len(keys)):
             start, end = spans[i]
-            shape = self.spec.layout.chunk_shape(end - start)
-            data = encode_chunk(self.namespace, keys[i], self.spec.kv_dtype, shape,
-                                payload_for(start, end), codec=self.codec, shuffle=self.shuffle)
-            entries.append(Entry(keys[i], data, i, keys[i - 1] if i else b""))
+            entries.append(self._entry(keys, i, self.spec.layout.chunk_shape(end - start), payload_for(start, end)))
         return self.store.store(entries, prefix=keys)
 
     def store_chunks(self, keys: Sequence[bytes], chunks: Sequence[int], payload: Callable[[int], Buf],
@@ -220,10 +217,14 @@ class PrefixCache:
         prefix = keys[:chunks[-1] + 1]
         first = self.store.lookup(prefix, prefix=prefix).hits if skip_held else 0
         shape = self.spec.layout.chunk_shape(self.chunk_tokens)
-        entries = [Entry(keys[i], encode_chunk(self.namespace, keys[i], self.spec.kv_dtype, shape, payload(i),
-                                               codec=self.codec, shuffle=self.shuffle), i, keys[i - 1] if i else b"")
-                   for i in chunks if i >= first]
+        entries = [self._entry(keys, i, shape, payload(i)) for i in chunks if i >= first]
         return self.store.store(entries, prefix=prefix)
+
+    def _entry(self, keys: Sequence[bytes], i: int, shape: Shape, raw: Buf) -> Entry:
+        """Chunk ``i`` of the prefix named by ``keys``, encoded, as the store takes it."""
+        data = encode_chunk(self.namespace, keys[i], self.spec.kv_dtype, shape, raw,
+                            codec=self.codec, shuffle=self.shuffle)
+        return Entry(keys[i], data, i, keys[i - 1] if i else b"")
 
     def close(self) -> None:
         self.store.close()
