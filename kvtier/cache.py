@@ -97,6 +97,11 @@ class PrefixCache:
         self.tenant = tenant
         self.metrics: Metrics = store.metrics
         self._tenant_label = self.metrics.declare_tenant(tenant, tuple(t.name for t in store.tiers))
+        # This tenant's lookup series, resolved once (labels() costs ~1-2 us a call, and a
+        # lookup counts one per tier run): the label value is fixed for this cache's life.
+        self._lookups = self.metrics.lookups.labels(self._tenant_label)
+        self._hit_tokens = {t.name: self.metrics.hit_tokens.labels(t.name, self._tenant_label)
+                            for t in store.tiers}
         self._check_slot_sizes()
 
     @classmethod
@@ -255,10 +260,10 @@ class PrefixCache:
         """Count a lookup: each run's tokens (chunks [pos, pos + n) cover tokens
         [pos*C, min((pos + n)*C, covered))) and the tokens missed."""
         m, tenant, c = self.metrics, self._tenant_label, self.chunk_tokens
-        m.lookups.labels(tenant).inc()
+        self._lookups.inc()
         pos = 0
         for name, n in runs:
-            m.hit_tokens.labels(name, tenant).inc(min((pos + n) * c, covered) - pos * c)
+            self._hit_tokens[name].inc(min((pos + n) * c, covered) - pos * c)
             pos += n
         if total > hit_tokens:
             m.miss_tokens.labels(reason, tenant).inc(total - hit_tokens)
