@@ -97,6 +97,11 @@ class PrefixCache:
         self.tenant = tenant
         self.metrics: Metrics = store.metrics
         self._tenant_label = self.metrics.declare_tenant(tenant, tuple(t.name for t in store.tiers))
+        # This tenant's lookup series, resolved once (labels() costs ~1-2 us a call, and a
+        # lookup counts one per tier run): the label value is fixed for this cache's life.
+        self._lookups = self.metrics.lookups.labels(self._tenant_label)
+        self._hit_tokens = {t.name: self.metrics.hit_tokens.labels(t.name, self._tenant_label)
+                            for t in store.tiers}
         self._check_slot_sizes()
 
     @classmethod
@@ -121,16 +126,22 @@ class PrefixCache:
 
     def spans(self, num_tokens: int, *, full_chunks_only: bool = False) -> list[tuple[int, int]]:
         """[start, end) token span of each key :meth:`keys` returns for ``num_tokens`` tokens."""
-        partial = not full_chunks_only and self.key_schema == "v1"
-        return chunk_spans(num_tokens, self.chunk_tokens, include_partial=partial)
+        return chunk_spans(self._covered(num_tokens, full_chunks_only), self.chunk_tokens)
 
     def lookup(self, tokens: Tokens, *, full_chunks_only: bool = False) -> PrefixHit:
         keys = self.keys(tokens, full_chunks_only=full_chunks_only)
         res = self.store.lookup(keys, prefix=keys)
-        spans = self.spans(len(tokens), full_chunks_only=full_chunks_only)
-        hit_tokens = spans[res.hits - 1][1] if res.hits else 0
-        self._count(res.runs, spans, hit_tokens, len(tokens), res.reason)
+        # Token counts by arithmetic on the spans :meth:`spans` would list (chunk i covers
+        # [i*C, min((i+1)*C, covered))): no 512-tuple list on the lookup path.
+        c, covered = self.chunk_tokens, self._covered(len(tokens), full_chunks_only)
+        hit_tokens = min(res.hits * c, covered)
+        self._count(res.runs, hit_tokens, len(tokens), res.reason, covered)
         return PrefixHit(hit_tokens, res.hits, res.per_tier, res.reason, res.runs)
+
+    def _covered(self, num_tokens: int, full_chunks_only: bool) -> int:
+        """How many leading tokens :meth:`keys` keys: the end of the last span of :meth:`spans`."""
+        partial = not full_chunks_only and self.key_schema == "v1"
+        return num_tokens if partial else num_tokens - num_tokens % self.chunk_tokens
 
     def load(self, tokens: Tokens, *, max_tokens: int | None = None,
              full_chunks_only: bool = False) -> LoadedPrefix:
@@ -244,13 +255,15 @@ class PrefixCache:
                 raise ConfigError(msg)
             log.warning("%s (compressed chunks may still fit)", msg)
 
-    def _count(self, runs: tuple[tuple[str, int], ...], spans: list[tuple[int, int]],
-               hit_tokens: int, total: int, reason: str) -> None:
-        m, tenant = self.metrics, self._tenant_label
-        m.lookups.labels(tenant).inc()
+    def _count(self, runs: tuple[tuple[str, int], ...], hit_tokens: int, total: int, reason: str,
+               covered: int) -> None:
+        """Count a lookup: each run's tokens (chunks [pos, pos + n) cover tokens
+        [pos*C, min((pos + n)*C, covered))) and the tokens missed."""
+        m, tenant, c = self.metrics, self._tenant_label, self.chunk_tokens
+        self._lookups.inc()
         pos = 0
         for name, n in runs:
-            m.hit_tokens.labels(name, tenant).inc(sum(e - s for s, e in spans[pos:pos + n]))
+            self._hit_tokens[name].inc(min((pos + n) * c, covered) - pos * c)
             pos += n
         if total > hit_tokens:
             m.miss_tokens.labels(reason, tenant).inc(total - hit_tokens)

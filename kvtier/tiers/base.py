@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -149,20 +149,50 @@ def bind_prefix(tier: Tier, prefix: Sequence[bytes] | None) -> Tier | PrefixOps:
     return tier.for_prefix(prefix) if prefix is not None and isinstance(tier, PrefixPlaced) else tier
 
 
-def check_keys(keys: Sequence[bytes]) -> None:
-    """Raise ValueError unless every key is exactly KEY_BYTES bytes."""
-    # One C-level pass (map/set) rather than a Python loop: a 128k-token prompt has 512 keys,
-    # and every probe of every tier checks them (issue 16's lookup budget).
+def _load_c_probe() -> tuple[Callable[[Sequence[bytes], int], None], Callable[[Container[bytes], Sequence[bytes]], int]] | None:
+    """The optional C loops of check_keys and leading_run (kvtier/_probe.c): the same answers,
+    a few ns a key instead of ~20. None where it was not built."""
+    try:
+        from kvtier._probe import check_keys as c_check_keys
+        from kvtier._probe import leading_run as c_leading_run
+    except ImportError:
+        return None
+    return c_check_keys, c_leading_run
+
+
+C_PROBE = _load_c_probe()
+
+
+def check_keys_python(keys: Sequence[bytes]) -> None:
+    """:func:`check_keys` in Python (the C loop must agree with it: tests/test_probe_loops.py)."""
+    # One C-level pass (map/set) rather than a Python loop.
     lengths = set(map(len, keys))
     if lengths and lengths != {KEY_BYTES}:
         bad = next(n for n in lengths if n != KEY_BYTES)
         raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got one of {bad}")
 
 
-def leading_run(present: Callable[[bytes], bool], keys: Sequence[bytes]) -> int:
-    """How many leading ``keys`` satisfy ``present`` (a bound ``__contains__``), counted at C
-    speed: ``takewhile`` into ``list`` runs no bytecode per key."""
-    return len(list(itertools.takewhile(present, keys)))
+def leading_run_python(index: Container[bytes], keys: Sequence[bytes]) -> int:
+    """:func:`leading_run` in Python: ``takewhile`` into ``list`` runs no bytecode per key."""
+    return len(list(itertools.takewhile(index.__contains__, keys)))
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Raise ValueError unless every key is exactly KEY_BYTES bytes."""
+    # A 128k-token prompt has 512 keys, and every probe of every tier checks them (issue 16's
+    # lookup budget): the C loop when built.
+    if C_PROBE is not None:
+        C_PROBE[0](keys, KEY_BYTES)
+    else:
+        check_keys_python(keys)
+
+
+def leading_run(index: Container[bytes], keys: Sequence[bytes]) -> int:
+    """How many leading ``keys`` are in ``index`` (a tier's key map; stops at the first miss),
+    in C when built, else at C speed through ``takewhile``."""
+    if C_PROBE is not None:
+        return C_PROBE[1](index, keys)
+    return leading_run_python(index, keys)
 
 
 def copy_into(values: Sequence[bytes | Miss], outs: Sequence[memoryview]) -> list[int | Miss]:

@@ -178,7 +178,7 @@ class CpuTier(ArenaAccess, BoundedTier):
     def _probe(self, keys: Sequence[bytes]) -> Probe:
         with self._lock:
             # The leading run, counted at C speed (no per-key bytecode).
-            hits = leading_run(self._map.__contains__, keys)
+            hits = leading_run(self._map, keys)
             if hits < len(keys):
                 return Probe(hits, self._absent(keys[hits]).reason)
             return Probe(hits)

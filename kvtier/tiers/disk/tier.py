@@ -128,7 +128,7 @@ class DiskTier(DiskIndex):
 
     def _probe(self, keys: Sequence[bytes]) -> Probe:
         with self._lock:
-            hits = leading_run(self._index.__contains__, keys)
+            hits = leading_run(self._index, keys)
             if hits == len(keys):
                 return Probe(hits)
         # Not in this index: another process sharing the directory may have written it.
