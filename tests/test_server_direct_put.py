@@ -6,6 +6,7 @@ PUT costs a slot. A real kvtier-server process over a real socket."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -111,3 +112,24 @@ def test_a_put_into_a_full_ram_takes_the_copying_path(server: ServerProc) -> Non
         assert get_all(sock, reader, keys[:SLOTS]) == chunks[:SLOTS]  # nothing evicted for it
         assert put_batch(sock, reader, list(zip(keys[SLOTS:], chunks[SLOTS:]))) == [True] * SLOTS
         assert get_all(sock, reader, keys[SLOTS:]) == chunks[SLOTS:]
+
+
+def test_a_put_trickled_in_pieces_arrives_whole(server: ServerProc) -> None:
+    """The server reads each frame part with one blocking MSG_WAITALL call: a body that
+    arrives in odd pieces with pauses (header split, chunk split mid-page) must still come
+    out whole, and the next request on the connection must be read from the right place."""
+    keys = make_keys(2, seed=23)
+    chunks = [make_chunk(k, CHUNK_BYTES, seed=40 + i) for i, k in enumerate(keys)]
+    sock, reader = connect(server)
+    with sock:
+        parts: list = []
+        for i, (key, chunk) in enumerate(zip(keys, chunks)):
+            parts += encode_put(key, chunk, more=i == 0)
+        wire = b"".join(bytes(p) for p in parts)
+        cuts = sorted({0, 7, 16, 40, 5_000, CHUNK_BYTES // 2, 65_537, CHUNK_BYTES + 70, len(wire) - 3, len(wire)})
+        for a, b in zip(cuts, cuts[1:]):
+            sock.sendall(wire[a:b])
+            time.sleep(0.02)  # each piece is its own segment: a plain recv would return short
+        frame = read_frame(sock, reader)
+        assert frame.type == PUT_REPLY and parse_put_reply(frame, 2) == [True, True]
+        assert get_all(sock, reader, keys) == chunks

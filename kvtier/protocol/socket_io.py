@@ -6,12 +6,18 @@ no ``sendmsg`` and use ``sendall`` per buffer. ``read_frame`` fills a
 :class:`~kvtier.protocol.frames.FrameReader`'s buffers with ``recv_into`` until one frame completes.
 Both raise what the socket raises (OSError and subclasses, ``ssl.SSLError``) and
 ``ProtocolError`` for a bad frame.
+
+Plain sockets are best used blocking, with the kernel enforcing the timeouts
+(:func:`set_kernel_timeouts`): a socket in Python's timeout mode polls before every call and
+cannot use ``MSG_WAITALL``, so a 1 MiB body takes several ``recv_into`` calls (and polls)
+instead of one.
 """
 
 from __future__ import annotations
 
 import socket
 import ssl
+import struct
 
 from kvtier.protocol.frames import Buffers, Frame, FrameReader
 
@@ -37,9 +43,25 @@ def send_all(sock: socket.socket, parts: Buffers) -> int:
     return total
 
 
-def read_frame(sock: socket.socket, reader: FrameReader) -> Frame:
+def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Bound every later ``recv``/``send`` on blocking ``sock`` by ``seconds`` (SO_RCVTIMEO /
+    SO_SNDTIMEO). A call that times out with nothing done raises ``BlockingIOError`` (EAGAIN);
+    one that moved some bytes returns the short count."""
+    if seconds <= 0:
+        raise ValueError(f"timeout must be > 0 s, got {seconds}")
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6) or 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def read_frame(sock: socket.socket, reader: FrameReader, waitall: bool = False) -> Frame:
+    """The next frame. ``waitall`` (blocking plain sockets only): each read asks for exactly
+    what the current header or body still needs with ``MSG_WAITALL``, one call per part
+    instead of one per segment the kernel happens to hold. Safe because the reader's buffer
+    never spans two frames: it waits only for bytes the peer must send anyway."""
+    flags = socket.MSG_WAITALL if waitall else 0
     while True:
-        n = sock.recv_into(reader.buffer())
+        n = sock.recv_into(reader.buffer(), 0, flags)
         if n == 0:
             raise ConnectionError("peer closed the connection")
         frame = reader.advance(n)

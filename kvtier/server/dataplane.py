@@ -66,7 +66,7 @@ from kvtier.protocol.frames import (
     encode_welcome,
 )
 from kvtier.protocol.session import ServerSession, ShmControl
-from kvtier.protocol.socket_io import read_frame, send_all
+from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 from kvtier.server import shm as shm_segment
 from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
@@ -241,12 +241,12 @@ class DataPlane:
         # resident only when first written, and then stay (no per-request page faults).
         scratch_map = mmap.mmap(-1, self.limits.max_chunk_bytes)
         scratch = memoryview(scratch_map)
-        sock.settimeout(IDLE_TIMEOUT_S)
+        waitall = self._request_mode(sock)
         batch = _Batch()
         try:
             while not self._draining:
                 conn.idle = not batch.flags
-                frame = read_frame(sock, reader)
+                frame = read_frame(sock, reader, waitall)
                 conn.idle = False
                 request = session.accept(frame)
                 if isinstance(request, ShmControl):
@@ -265,6 +265,21 @@ class DataPlane:
             direct.abort()  # a body cut off (or refused by the session) is never published
             self._undo(store, batch)  # a batch that never got its reply leaves nothing behind
             seg.close()
+
+    @staticmethod
+    def _request_mode(sock: socket.socket) -> bool:
+        """Put an authenticated connection in its request mode; True when reads may use
+        MSG_WAITALL. Plain TCP goes blocking with the idle timeout enforced by the kernel
+        (SO_RCVTIMEO/SO_SNDTIMEO): a 1 MiB PUT body is then one ``recv_into`` rather than
+        a poll and a read per segment the kernel holds. TLS keeps Python's timeout mode
+        (an SSL socket does not take MSG_WAITALL). Unauthenticated peers never get here:
+        the handshake runs in timeout mode under the reaper's deadline."""
+        if isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(IDLE_TIMEOUT_S)
+            return False
+        sock.settimeout(None)
+        set_kernel_timeouts(sock, IDLE_TIMEOUT_S)
+        return True
 
     def _shm_control(self, sock: socket.socket, seg: shm_segment.Segment, request: ShmControl) -> None:
         if request.type == SHM_OPEN:

@@ -24,7 +24,6 @@ import mmap
 import os
 import socket
 import ssl
-import struct
 import time
 from collections.abc import Sequence
 
@@ -52,7 +51,7 @@ from kvtier.protocol.frames import (
     parse_ref,
     parse_shm_ready,
 )
-from kvtier.protocol.socket_io import read_frame, send_all
+from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 
 __all__ = ["DataConn"]
 
@@ -110,9 +109,7 @@ class DataConn:
             return
         if self._armed_until - deadline <= _REARM_S and self._armed_until >= deadline:
             return
-        tv = struct.pack("ll", int(left), int((left % 1) * 1e6) or 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        set_kernel_timeouts(self.sock, left)
         self._armed = left
 
     @property
