@@ -38,7 +38,6 @@ from kvtier.tiers.base import (
     PrefixOps,
     PrefixPlaced,
     Tier,
-    bind_prefix,
 )
 
 __all__ = ["LoadIntoResult", "LoadResult", "LookupResult", "StoreListener", "TieredStore"]
@@ -79,6 +78,7 @@ class TieredStore:
         # Per-lookup constants, resolved once: isinstance against a runtime Protocol costs
         # ~10 us a tier, a labelled child ~1 us (issue 16's lookup budget).
         self._placed = tuple(isinstance(t, PrefixPlaced) for t in self.tiers)
+        self._placed_ids = {id(t) for t, placed in zip(self.tiers, self._placed) if placed}
         self._hit_chunks = tuple(self.metrics.hit_chunks.labels(name) for name in names)
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-writer", daemon=True)
         self._writer.start()
@@ -119,12 +119,18 @@ class TieredStore:
         return LookupResult(pos, tuple(runs), reason if pos < n else ABSENT)
 
     def _bind_all(self, prefix: Sequence[bytes] | None) -> list[Tier | PrefixOps]:
-        """Every tier's verbs for ``prefix`` (:func:`bind_prefix`, with the isinstance test
-        made once in ``__init__``)."""
+        """Every tier's verbs for ``prefix`` (see :meth:`_verbs`)."""
         if prefix is None:
             return list(self.tiers)
         return [t.for_prefix(prefix) if placed else t  # type: ignore[attr-defined]
                 for t, placed in zip(self.tiers, self._placed)]
+
+    def _verbs(self, tier: Tier, prefix: Sequence[bytes] | None) -> Tier | PrefixOps:
+        """:func:`bind_prefix` for one of this store's tiers, with the isinstance test made
+        once in ``__init__`` (against a runtime Protocol it costs ~10 us a call)."""
+        if prefix is not None and id(tier) in self._placed_ids:
+            return tier.for_prefix(prefix)  # type: ignore[attr-defined]
+        return tier
 
     def load(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> LoadResult:
         """The leading run of chunk bytes for ``keys`` (shorter when a chunk is missing)."""
@@ -132,7 +138,7 @@ class TieredStore:
         found: list[bytes | None] = [None] * len(keys)
 
         def fetch(tier: Tier, want: list[int]) -> list[int | Miss]:
-            values = bind_prefix(tier, prefix).get([keys[i] for i in want])
+            values = self._verbs(tier, prefix).get([keys[i] for i in want])
             for i, value in zip(want, values):
                 if not isinstance(value, Miss):
                     found[i] = value
@@ -159,12 +165,12 @@ class TieredStore:
         def fetch(tier: Tier, want: list[int]) -> list[int | Miss]:
             batch_keys = [keys[i] for i in want]
             try:
-                results = bind_prefix(tier, prefix).get_into(batch_keys, [outs[i] for i in want])
+                results = self._verbs(tier, prefix).get_into(batch_keys, [outs[i] for i in want])
             except ValueError:
                 # A stored chunk larger than the buffer sized for it is not a chunk of the
                 # caller's layout (forged or foreign). Read the batch the allocating way and
                 # hand it on as bytes: the caller's verification says what is wrong with it.
-                values = bind_prefix(tier, prefix).get(batch_keys)
+                values = self._verbs(tier, prefix).get(batch_keys)
                 oversized.update((i, v) for i, v in zip(want, values) if not isinstance(v, Miss))
                 results = [v if isinstance(v, Miss) else len(v) for v in values]
             for i, r in zip(want, results):
@@ -208,7 +214,7 @@ class TieredStore:
                     continue
                 for upper in self.tiers[:level]:
                     self._tell_stored(upper.name, served)
-                    ok = bind_prefix(upper, prefix).put(served)
+                    ok = self._verbs(upper, prefix).put(served)
                     self.metrics.promotions.labels(upper.name).inc(len(served))
                     self._tell_refused(upper.name, served, ok)
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
@@ -235,7 +241,7 @@ class TieredStore:
         t0 = time.perf_counter()
         top = self.tiers[0]
         self._tell_stored(top.name, entries)
-        ok = bind_prefix(top, prefix).put(entries)
+        ok = self._verbs(top, prefix).put(entries)
         accepted = sum(ok)
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
@@ -271,7 +277,7 @@ class TieredStore:
         cascade = self.config.write_policy == "write_through"
         for tier in self.tiers[level:]:
             self._tell_stored(tier.name, entries)
-            ok = bind_prefix(tier, prefix).put(entries)
+            ok = self._verbs(tier, prefix).put(entries)
             written = sum(len(e.data) for e, k in zip(entries, ok) if k)
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
