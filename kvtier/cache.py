@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.chunk import HEADER_SIZE, Shape, decode_chunk, dtype_itemsize, encode_chunk
+from kvtier.chunk import (
+    HEADER_SIZE,
+    Shape,
+    decode_chunk,
+    dtype_itemsize,
+    encode_chunk,
+    frame_raw_chunk,
+)
 from kvtier.codec import Buf, Codec
 from kvtier.config import KVTierConfig
 from kvtier.errors import ChunkError, ConfigError
@@ -216,20 +223,37 @@ class PrefixCache:
         return self.store.store(entries, prefix=keys)
 
     def store_chunks(self, keys: Sequence[bytes], chunks: Sequence[int], payload: Callable[[int], Buf],
-                     *, skip_held: bool = True) -> int:
+                     *, skip_held: bool = True, framed: bool = False) -> int:
         """Store the full chunks ``chunks`` (ascending indexes into ``keys``, the prefix's
         full-chunk keys from chunk 0, as :meth:`keys` gives them); ``payload(i)`` returns chunk
         ``i``'s raw K/V bytes. ``skip_held``: first ask the store how many leading chunks it
         holds and skip those (as :meth:`save` does); False for a caller that knows they are
         missing (kvtier_vllm's capture probed every tier just before): no lookup, no rehash.
+        ``framed``: ``payload(i)`` is a writable buffer of ``HEADER_SIZE`` bytes + the raw K/V
+        bytes (the caller left room for the header). When :meth:`frames_in_place`, the header
+        is written into that room and the buffer itself is stored (no copy, no allocation), so
+        the caller may reuse it only once this returns; else it is encoded as usual.
         Returns #chunks stored."""
         if not chunks:
             return 0
         prefix = keys[:chunks[-1] + 1]
         first = self.store.lookup(prefix, prefix=prefix).hits if skip_held else 0
         shape = self.spec.layout.chunk_shape(self.chunk_tokens)
-        entries = [self._entry(keys, i, shape, payload(i)) for i in chunks if i >= first]
+        if framed and self.frames_in_place():
+            kv_dtype = self.spec.kv_dtype
+            entries = [Entry(keys[i], frame_raw_chunk(memoryview(payload(i)).cast("B"), self.namespace, keys[i],
+                                                      kv_dtype, shape), i, keys[i - 1] if i else b"")
+                       for i in chunks if i >= first]
+        else:
+            entries = [self._entry(keys, i, shape, memoryview(payload(i)).cast("B")[HEADER_SIZE:] if framed
+                                   else payload(i)) for i in chunks if i >= first]
         return self.store.store(entries, prefix=prefix)
+
+    def frames_in_place(self) -> bool:
+        """Whether :meth:`store_chunks` stores a ``framed`` payload's own buffer: the raw
+        codec (the stored bytes are the payload) and a store that holds no entry after
+        ``store`` returns (:attr:`TieredStore.keeps_entries`)."""
+        return self.codec == Codec.RAW and not self.shuffle and not self.store.keeps_entries
 
     def _entry(self, keys: Sequence[bytes], i: int, shape: Shape, raw: Buf) -> Entry:
         """Chunk ``i`` of the prefix named by ``keys``, encoded, as the store takes it."""

@@ -229,9 +229,18 @@ class TieredStore:
                 self._enqueue(due, 1, prefix)
 
     # --- store ---------------------------------------------------------------------------
+    @property
+    def keeps_entries(self) -> bool:
+        """Whether :meth:`store` keeps ``entry.data`` after it returns (the write-through
+        cascade queues the entries for the tiers below). When False, every tier has copied or
+        written the bytes by the time ``store`` returns (their puts are synchronous), so a
+        caller may reuse its buffers then."""
+        return len(self.tiers) > 1 and self.config.write_policy == "write_through"
+
     def store(self, entries: Sequence[Entry], prefix: Sequence[bytes] | None = None) -> int:
         """Write-through to tier 0 now, cascade below later. Takes ownership of ``entry.data``:
-        the caller must not modify those buffers afterwards. Returns #chunks tier 0 accepted.
+        the caller must not modify those buffers afterwards (unless :attr:`keeps_entries` is
+        False: then only until this returns). Returns #chunks tier 0 accepted.
         ``prefix``: the keys of the prefix the entries belong to (``prefix[d]`` is chunk d), so
         that a prefix-placed tier puts each chunk where lookups of that prefix will ask."""
         if self._closed:

@@ -119,7 +119,7 @@ def test_a_full_staging_pool_saves_the_leading_chunks_and_counts_the_rest(tmp_pa
     from test_vllm_connector_flow import _fill, _halves, _output, _req, _run_step, _wait_saved
 
     sched, worker, caches = _halves(tmp_path)
-    worker.use_copier(worker.copier, staging_bytes=worker.pool.chunk_bytes)  # room for one chunk
+    worker.use_copier(worker.copier, staging_bytes=worker.pool.slot_bytes)  # room for one chunk
     try:
         N, C = worker.info.block_size, worker.chunk
         tokens = list(range(7, 7 + 4 * N))

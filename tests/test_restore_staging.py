@@ -173,3 +173,26 @@ def test_a_prefetch_dropped_untaken_gives_its_slots_back() -> None:
     finally:
         gate.set()
         pf.close()
+
+
+def test_staging_pool_head_leaves_header_room_in_page_aligned_slots() -> None:
+    # Save staging: each slot is [HEADER_SIZE free | chunk], starts on a page, and ``framed``
+    # is the slot's header room + the bytes ``tensor`` views (the chunk the store takes).
+    from kvtier.chunk import HEADER_SIZE, PAGE
+
+    shape, dtype = (2, 2, 8, 2, 4), torch.float32
+    pool = StagingPool(3 * (PAGE + 1024), shape, dtype, lambda n: torch.zeros(n, dtype=torch.uint8),
+                       head=HEADER_SIZE)
+    assert pool.slot_bytes == PAGE and pool.slots == 3  # 128 + 1,024 bytes, rounded to a page
+    for slot in range(pool.slots):
+        assert pool.raw(slot).data_ptr() % PAGE == 0
+        t = pool.tensor(slot)
+        assert t.shape == shape and t.data_ptr() == pool.raw(slot).data_ptr() + HEADER_SIZE
+        t.fill_(slot + 1)
+        framed = pool.framed(slot)
+        assert framed.nbytes == HEADER_SIZE + pool.chunk_bytes
+        assert np.array_equal(np.frombuffer(framed, np.float32)[HEADER_SIZE // 4:], t.flatten().numpy())
+    with pytest.raises(ValueError):
+        StagingPool(PAGE, shape, dtype, lambda n: torch.zeros(n, dtype=torch.uint8), head=6)
+    plain = StagingPool(3 * 1024, shape, dtype, lambda n: torch.zeros(n, dtype=torch.uint8))
+    assert plain.head == 0 and plain.slot_bytes == 1024 and plain.slots == 3

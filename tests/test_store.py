@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.cache import PrefixCache
-from kvtier.chunk import encode_chunk
+from kvtier.chunk import HEADER_SIZE, encode_chunk
 from kvtier.config import StoreConfig
 from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.store import TieredStore
@@ -171,6 +171,34 @@ def test_store_chunks_writes_the_named_chunks_with_or_without_the_lookup() -> No
         assert cache.store_chunks(keys, [3], payload, skip_held=False) == 1
         loaded = cache.load(tokens)
         assert loaded.tokens == 16 and np.array_equal(_join(loaded), kv)
+
+
+@pytest.mark.parametrize("tiers", [1, 2])
+def test_store_chunks_framed_stores_the_buffer_itself_only_when_the_store_keeps_no_entry(tiers: int) -> None:
+    # One tier: put copies before store() returns, so the caller's buffer (header room + K/V)
+    # is framed in place and stored as is. Two write-through tiers: the cascade queues the
+    # entries, so the store gets an encoded copy and the caller's buffer is left as it was.
+    config = StoreConfig(write_policy="write_through")
+    with TieredStore([MemoryTier(name=f"t{i}") for i in range(tiers)], config) as store:
+        cache = PrefixCache(store, SPEC)
+        assert cache.frames_in_place() is (tiers == 1)
+        tokens, kv = np.arange(12), _kv(12)
+        keys = cache.keys(tokens, full_chunks_only=True)
+        bufs = [bytearray(HEADER_SIZE) + bytearray(_payload_fn(kv)(4 * i, 4 * i + 4)) for i in range(3)]
+        assert cache.store_chunks(keys, [0, 1, 2], lambda i: bufs[i], skip_held=False, framed=True) == 3
+        framed = [bytes(b[:HEADER_SIZE]) != bytes(HEADER_SIZE) for b in bufs]
+        assert framed == [tiers == 1] * 3
+        if tiers == 1:  # the stored chunk is the caller's buffer, header and all
+            assert store.tiers[0].get([keys[1]])[0] == bytes(bufs[1])
+        for b in bufs:  # the caller reuses its buffers once store_chunks returned
+            b[HEADER_SIZE:] = bytes(len(b) - HEADER_SIZE)
+        assert store.flush(timeout_s=10)
+        loaded = cache.load(tokens)
+        assert loaded.tokens == 12 and np.array_equal(_join(loaded), kv)
+        if tiers == 2:
+            store.tiers[0].delete(keys)
+            loaded = cache.load(tokens)  # from the lower tier, written from the copy
+            assert loaded.tokens == 12 and np.array_equal(_join(loaded), kv)
 
 
 def test_corrupt_chunk_ends_the_run_is_counted_and_dropped() -> None:

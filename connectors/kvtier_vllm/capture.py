@@ -133,7 +133,8 @@ class StepCapture:
             raise
         return SaveJob(spec, [pool.tensor(i) for i in slots], len(self.views),
                        lambda: pool.give(slots), index, chunks, keys,
-                       lambda: self.inflight.release(claimed))
+                       lambda: self.inflight.release(claimed),
+                       framed=[pool.framed(i) for i in slots] if pool.head else None)
 
     def _partial_job(self, spec: SaveSpec) -> SaveJob | None:
         """One partial chunk (partial.py) in one slot, viewed as ``(L, P, tokens, H, D)``."""
@@ -145,7 +146,7 @@ class StepCapture:
         shape = list(pool.chunk_shape)
         shape[2] = len(spec.block_ids) * (self.chunk // self.per)
         numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-        staging = pool.raw(slots[0]).view(pool.dtype)[:numel].view(*shape)
+        staging = pool.payload(slots[0]).view(pool.dtype)[:numel].view(*shape)
         try:
             index = self.copier.begin_capture(spec.block_ids, len(spec.block_ids))
         except (RuntimeError, ValueError):

@@ -35,11 +35,15 @@ class SaveJob:
     ``[spec.start_chunk, spec.end_chunk)``: the ones this job claimed) captured into ``staging``
     (one ``(L, P, C, H, D)`` tensor per chunk, in the same order); ``keys`` are the keys of every
     full chunk of ``spec.tokens``. ``release`` gives the staging slots back (after the fence
-    only); ``unclaim`` releases the claimed keys (after the write, or when dropped)."""
+    only); ``unclaim`` releases the claimed keys (after the write, or when dropped).
+    ``framed``: per staging tensor, its slot's buffer with ``HEADER_SIZE`` free bytes in front
+    of the tensor's bytes (``StagingPool.framed``), so the store may take the slot as the
+    chunk itself (``PrefixCache.store_chunks(framed=True)``); None: encode from ``staging``."""
 
     def __init__(self, spec: SaveSpec, staging: list[torch.Tensor], layers: int,
                  release: Callable[[], None], index: CaptureIndex, chunks: Sequence[int] | None = None,
-                 keys: Sequence[bytes] = (), unclaim: Callable[[], None] | None = None) -> None:
+                 keys: Sequence[bytes] = (), unclaim: Callable[[], None] | None = None,
+                 framed: Sequence[memoryview] | None = None) -> None:
         self.spec = spec
         self.staging = staging
         self.chunks = list(range(spec.start_chunk, spec.start_chunk + len(staging))) if chunks is None else list(chunks)
@@ -49,6 +53,7 @@ class SaveJob:
         self.release = release
         self.unclaim = unclaim or (lambda: None)
         self.index = index
+        self.framed = framed
         self.dropped = False
 
 
@@ -121,6 +126,10 @@ class Saver:
         if spec.partial:  # one partial chunk (partial.py): KV events never announce it
             n = cache.save(tokens, payload_for, start_chunk=spec.start_chunk, full_chunks_only=False)
             self._stats.add(partial_save_chunks=n)
+        elif job.framed is not None:  # the slots become the chunks (header written in place)
+            framed = job.framed
+            n = cache.store_chunks(job.keys, job.chunks, lambda j: framed[slot_of[j]],
+                                   skip_held=not self._probed(), framed=True)
         else:  # job.keys: the capture's keys of the prefix; no rehash here
             n = cache.store_chunks(job.keys, job.chunks, lambda j: raw[slot_of[j]].data,
                                    skip_held=not self._probed())

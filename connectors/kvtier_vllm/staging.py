@@ -8,6 +8,10 @@ hundreds of GiB under a queue of long prefills, and an allocation failure inside
 hooks would kill the engine. When the pool runs short the caller falls back (a save keeps the
 leading chunks it got slots for; a restore loads into pageable memory) and counts it.
 
+``head`` (saves): bytes left free in front of each slot's chunk, where the saver writes the
+chunk header, so that the slot itself becomes the stored chunk (``framed``); slots then start on
+page boundaries (what the disk tier's O_DIRECT writes want).
+
 Threads: any thread may call any method. A slot is never handed out twice while its bytes may
 still be written or read: ``give`` once the caller's copies are done on the host side, and
 ``give_after(slots, fence)`` when a device copy may still read them: the slots stay out until
@@ -23,6 +27,8 @@ from typing import Protocol
 
 import torch
 
+from kvtier.chunk import PAGE
+
 
 class Done(Protocol):
     def query(self) -> bool:
@@ -31,23 +37,34 @@ class Done(Protocol):
 
 class StagingPool:
     def __init__(self, max_bytes: int, chunk_shape: Sequence[int], dtype: torch.dtype,
-                 alloc: Callable[[int], torch.Tensor], slot_bytes: int | None = None) -> None:
+                 alloc: Callable[[int], torch.Tensor], slot_bytes: int | None = None, head: int = 0) -> None:
         """``alloc(nbytes)`` returns a uint8 host tensor of ``nbytes`` (pinned where it matters);
-        ``slot_bytes`` (default: one chunk's bytes) may be larger, never smaller."""
+        ``slot_bytes`` (default: ``head`` + one chunk's bytes, rounded up to whole pages when
+        ``head``) may be larger, never smaller. ``head``: see the module docstring (a multiple
+        of the dtype's size)."""
         numel = 1
         for n in chunk_shape:
             numel *= int(n)
         self.chunk_shape = tuple(int(n) for n in chunk_shape)
         self.dtype = dtype
         self.chunk_bytes = numel * dtype.itemsize
-        if slot_bytes is not None and slot_bytes < self.chunk_bytes:
-            raise ValueError(f"slot_bytes {slot_bytes} is smaller than a {self.chunk_bytes}-byte chunk")
-        self.slot_bytes = self.chunk_bytes if slot_bytes is None else slot_bytes
+        if head < 0 or head % dtype.itemsize:
+            raise ValueError(f"head {head} is not a multiple of the {dtype.itemsize}-byte dtype")
+        self.head = head
+        need = head + self.chunk_bytes
+        if slot_bytes is not None and slot_bytes < need:
+            raise ValueError(f"slot_bytes {slot_bytes} is smaller than a {need}-byte slot")
+        self.slot_bytes = (-(-need // PAGE) * PAGE if head else need) if slot_bytes is None else slot_bytes
         self.slots = max_bytes // self.slot_bytes if self.slot_bytes else 0
-        raw = alloc(self.slots * self.slot_bytes)
+        align = PAGE if head else 0  # over-allocate one page to start the first slot on one
+        raw = alloc(self.slots * self.slot_bytes + align) if self.slots else alloc(0)
         self._alloc = raw  # the allocation itself stays referenced (views alone may not keep a
         # simulated device's registration, or an owner's mapping, alive)
-        self._raw = raw.view(self.slots, self.slot_bytes) if self.slots else None
+        if self.slots:
+            off = -raw.data_ptr() % PAGE if align else 0
+            self._raw: torch.Tensor | None = raw[off:off + self.slots * self.slot_bytes].view(self.slots, self.slot_bytes)
+        else:
+            self._raw = None
         self._free = list(range(self.slots - 1, -1, -1))
         self._pending: list[tuple[list[int], Done]] = []
         self._lock = threading.Lock()
@@ -65,9 +82,18 @@ class StagingPool:
         assert self._raw is not None
         return self._raw[slot]
 
+    def payload(self, slot: int) -> torch.Tensor:
+        """The slot's bytes after its ``head`` (uint8): where a chunk's K/V goes."""
+        return self.raw(slot)[self.head:]
+
     def tensor(self, slot: int) -> torch.Tensor:
-        """The slot's first ``chunk_bytes`` as one chunk ``(L, P, C, H, D)``."""
-        return self.raw(slot)[: self.chunk_bytes].view(self.dtype).view(self.chunk_shape)
+        """The slot's ``chunk_bytes`` after its ``head`` as one chunk ``(L, P, C, H, D)``."""
+        return self.payload(slot)[: self.chunk_bytes].view(self.dtype).view(self.chunk_shape)
+
+    def framed(self, slot: int) -> memoryview:
+        """The slot's ``head`` + ``chunk_bytes`` (writable): a chunk buffer with room for its
+        header in front of the K/V that ``tensor(slot)`` views."""
+        return self.raw(slot)[: self.head + self.chunk_bytes].numpy().data
 
     def view_of(self, slot: int, payload: memoryview | bytes | bytearray) -> torch.Tensor | None:
         """``payload`` as a chunk tensor that views the slot's memory, when ``payload`` lies in

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import PrefixCache
+from kvtier.chunk import HEADER_SIZE
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
@@ -142,7 +143,10 @@ class WorkerSide:
         worker on the simulated device this way; call before the first step)."""
         self.copier = copier
         nbytes = self.settings.save_staging_bytes if staging_bytes is None else staging_bytes
-        self.pool = StagingPool(nbytes, self.chunk_shape, self.torch_dtype, copier.host_buffer)
+        # Room for the chunk header in front of each captured chunk: the saver frames it there
+        # and stores the slot itself (no encode copy, no per-chunk allocation; saver.py).
+        self.pool = StagingPool(nbytes, self.chunk_shape, self.torch_dtype, copier.host_buffer,
+                                head=HEADER_SIZE)
         rbytes = self.settings.restore_staging_bytes if restore_bytes is None else restore_bytes
         self.restore_bufs = RestoreBuffers(rbytes, self.chunk_shape,
                                            self.torch_dtype, copier.host_buffer, self._count_pageable)

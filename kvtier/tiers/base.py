@@ -111,7 +111,10 @@ class Tier(Protocol):
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]: ...
 
-    def put(self, entries: Sequence[Entry]) -> list[bool]: ...
+    def put(self, entries: Sequence[Entry]) -> list[bool]:
+        """Store ``entries``; their bytes are copied or written before this returns (a tier
+        keeps no reference to ``entry.data``: callers may reuse those buffers afterwards,
+        see ``TieredStore.keeps_entries``)."""
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
 
