@@ -146,7 +146,7 @@ def test_get_visit_and_put_filled_on_every_data_path(contract_server: tuple[Serv
             assert tier.get(keys[:3]) == chunks[:3]
             seen: dict[int, bytes] = {}
 
-            def visit(i: int, view: memoryview) -> None:
+            def visit(i: int, view: memoryview, seen: dict[int, bytes] = seen) -> None:
                 assert view.readonly and i not in seen
                 seen[i] = bytes(view)
 
