@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import TierUnavailableError
-from kvtier.tiers.base import NODE_DOWN, TIMEOUT, Entry, Miss, Tier
+from kvtier.tiers.base import NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Tier
 from kvtier.tiers.remote import GrpcTier, Ring
 from tests.contract import TierContract
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
@@ -122,6 +122,42 @@ def test_data_path_carries_the_bytes(contract_server: tuple[ServerProc, list[str
     for line in [f'direction="{d}",path="{p}"' for d in ("in", "out") for p in ("shm", "socket", "grpc")]:
         value = next(m for m in metrics.splitlines() if line in m and not m.startswith("#"))
         assert float(value.split()[-1]) > 4 * 3900, value
+
+
+def test_get_visit_and_put_filled_on_every_data_path(contract_server: tuple[ServerProc, list[str]]) -> None:
+    """put_filled stores what each fill writes, get_visit hands back each chunk found (in key
+    order of indexes, misses and lying chunks not visited), on every path."""
+    proc, tokens = contract_server
+    token = tokens[-3]
+    for path in ("shm", "socket", "grpc"):
+        tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(proc.address,), token=token, data_path=path))
+        try:
+            keys = make_keys(4, seed=7 + len(path))
+            chunks = [make_chunk(k, 3900, i) for i, k in enumerate(keys)]
+
+            def filler(chunk: bytes) -> Callable[[memoryview], None]:
+                def fill(dst: memoryview) -> None:
+                    dst[:] = chunk
+                return fill
+
+            items = [FilledEntry(k, len(c), filler(c), i, keys[i - 1] if i else b"")
+                     for i, (k, c) in enumerate(zip(keys, chunks))]
+            assert tier.put_filled(items[:3]) == [True] * 3
+            assert tier.get(keys[:3]) == chunks[:3]
+            seen: dict[int, bytes] = {}
+
+            def visit(i: int, view: memoryview, seen: dict[int, bytes] = seen) -> None:
+                assert view.readonly and i not in seen
+                seen[i] = bytes(view)
+
+            results = tier.get_visit(keys, visit)
+            assert results[:3] == [len(c) for c in chunks[:3]] and isinstance(results[3], Miss)
+            assert seen == dict(enumerate(chunks[:3]))
+            # A chunk whose header names another key is refused by the node, not stored.
+            assert tier.put_filled([FilledEntry(keys[3], len(chunks[0]), filler(chunks[0]))]) == [False]
+            assert tier.nodes_down() == []
+        finally:
+            tier.close()
 
 
 def test_bad_token_fails_at_construction(contract_server: tuple[ServerProc, list[str]]) -> None:

@@ -79,24 +79,31 @@ def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_t
     return len(keys)
 
 
+def page_framer(cache: PrefixCache, key: bytes, src: np.ndarray, page_tokens: int) -> Callable[[memoryview], None]:
+    """``fill(dst)``: the raw chunk of page ``src`` under ``key``, built in ``dst`` (exactly
+    ``HEADER_SIZE + src.size`` bytes): the page copied behind the header, then framed there."""
+    shape = cache.spec.layout.chunk_shape(page_tokens)
+    dtype, namespace = cache.spec.kv_dtype, cache.namespace
+
+    def fill(dst: memoryview) -> None:
+        body = np.frombuffer(dst, np.uint8, count=src.size, offset=HEADER_SIZE)
+        np.copyto(body.reshape(src.shape), src)
+        frame_raw_chunk(dst, namespace, key, dtype, shape)
+
+    return fill
+
+
 def write_in_place(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_tokens: int,
                    src_for: PageBytes, depth0: int, parent0: bytes) -> int:
     """Store page ``i`` (``src_for(i)``) under ``keys[i]`` straight into the arena; ``keys[i]``
     sits at prefix depth ``depth0 + i`` under ``keys[i - 1]`` (``parent0`` for the first).
     Returns how many the tier accepted (it stops at the first refusal)."""
-    shape = cache.spec.layout.chunk_shape(page_tokens)
-    dtype, namespace = cache.spec.kv_dtype, cache.namespace
     metrics = cache.store.metrics
     for i, key in enumerate(keys):
         src = src_for(i)
-
-        def fill(dst: memoryview, src: np.ndarray = src, key: bytes = key) -> None:
-            body = np.frombuffer(dst, np.uint8, count=src.size, offset=HEADER_SIZE)
-            np.copyto(body.reshape(src.shape), src)
-            frame_raw_chunk(dst, namespace, key, dtype, shape)
-
         length = HEADER_SIZE + src.size
-        if not tier.put_in_place(key, length, fill, depth0 + i, keys[i - 1] if i else parent0):
+        if not tier.put_in_place(key, length, page_framer(cache, key, src, page_tokens),
+                                 depth0 + i, keys[i - 1] if i else parent0):
             metrics.dropped_writes.labels(tier.name, "rejected").inc(len(keys) - i)
             return i
         metrics.bytes_written.labels(tier.name).inc(length)

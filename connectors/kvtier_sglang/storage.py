@@ -55,6 +55,7 @@ from .arena import leasing_tier, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
+from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
 from .stats import BackendStats
 from .usage import BackendUsage
@@ -166,14 +167,22 @@ class KVTierStorage(HiCacheStorage):
             slots = page_slots(host_indices, len(keys), geo.page_tokens)
             xkeys = store_keys(self.namespace, keys)
             bufs = self._thread_buffers()
-            pos = 0
+            pos, end = 0, len(keys)
             tier = leasing_tier(cache)
+            remote = remote_tier(cache)
             if tier is not None:
                 # Pages the in-process cpu tier holds: verified in place, one copy (arena.py).
                 pos = read_leased(cache, tier, xkeys, geo.page_tokens,
                                   lambda i: as_bytes(page_view(geo, buffer, slots[i])))
                 out[:pos] = [True] * pos
-            while pos < len(keys):
+            elif remote is not None:
+                # A kvtier-server first: verified where the data path put it, one copy (remote.py);
+                # with no tier below it, its first miss ends the read.
+                pos = read_visited(cache, remote, xkeys, geo.page_tokens,
+                                   lambda i: as_bytes(page_view(geo, buffer, slots[i])))
+                out[:pos] = [True] * pos
+                end = pos if len(cache.store.tiers) == 1 else end
+            while pos < end:
                 # Read a batch into this thread's buffers, verified there; then one strided copy
                 # per page into the pool. A missing or refused page ends the leading run.
                 batch = bufs.batch(len(keys) - pos)
@@ -249,6 +258,15 @@ class KVTierStorage(HiCacheStorage):
                                depth0 + first, xkeys[first - 1] if first else parent0)
             self._track(keys[:n])
             return n
+        remote = filling_tier(cache)
+        if remote is not None:
+            # A single kvtier-server tier: each page is framed in the data path's shared
+            # segment and sent at once (remote.py), no chunk buffer in between.
+            keys = xkeys[first:first + len(views)]
+            stored = write_filled(cache, remote, keys, geo.page_tokens, lambda j: as_bytes(views[j]),
+                                  depth0 + first, xkeys[first - 1] if first else parent0)
+            self._track([k for k, ok in zip(keys, stored) if ok])
+            return sum(stored)
         store = cache.store
         raw = cache.codec == Codec.RAW and not cache.shuffle
         reuse = raw and not (len(store.tiers) > 1 and store.config.write_policy == "write_through")

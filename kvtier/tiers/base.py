@@ -74,6 +74,26 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class FilledEntry:
+    """One chunk to store that ``fill(view)`` writes where the tier wants it (a writable view
+    of exactly ``length`` bytes), rather than bytes to be copied there: for tiers with a
+    ``put_filled`` verb. ``fill`` may run more than once (a retry, a replica) and must write
+    the same bytes each time; ``depth``/``parent`` as for :class:`Entry`."""
+
+    key: bytes
+    length: int
+    fill: Callable[[memoryview], None]
+    depth: int = 0
+    parent: bytes = b""
+
+    def materialize(self) -> Entry:
+        """The :class:`Entry` of this chunk, filled into fresh memory (paths that send bytes)."""
+        buf = bytearray(self.length)
+        self.fill(memoryview(buf))
+        return Entry(self.key, buf, self.depth, self.parent)
+
+
+@dataclass(frozen=True)
 class TierUsage:
     """A tier's footprint. ``evictions`` counts the chunks the tier itself evicted to stay
     within its capacity since it was built (0 for tiers whose bound lives in another process:

@@ -25,7 +25,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.protocol.frames import (
     CHUNK,
@@ -62,6 +62,8 @@ _SHM_SEALED = fcntl.F_SEAL_SHRINK
 _REPLIES = (CHUNK, MISS)
 _FLAGS = MORE | PARENT | SHM
 _UNPACK = HEADER.unpack_from
+# get_visit's consumer: (index, read-only view of chunk ``index``), the view valid for the call.
+Visit = Callable[[int, memoryview], None]
 
 
 class DataConn:
@@ -158,8 +160,8 @@ class DataConn:
             if frame is not None:
                 return frame
 
-    def read_reply(self, n: int, targets: Sequence[memoryview] | None, deadline: float
-                   ) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
+    def read_reply(self, n: int, targets: Sequence[memoryview] | None, deadline: float,
+                   visit: Visit | None = None) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
         """The whole reply to a GET of ``n`` keys on plain TCP, read and checked frame by frame
         as :meth:`read` and :class:`~kvtier.protocol.session.GetReplyCollector` do together
         (same checks, same ProtocolError messages), in one loop with no per-frame objects:
@@ -172,7 +174,11 @@ class DataConn:
         in the same ``recvmsg_into`` (get_into), or into fresh bytes (get: then the header is
         its own call). A target too small for its chunk, or for a shared-memory chunk, is noted
         (``overflow`` / a ValueError raised once the reply is drained); the connection stays
-        usable. Every call is bounded by ``deadline`` (SO_RCVTIMEO; a short read loops)."""
+        usable. Every call is bounded by ``deadline`` (SO_RCVTIMEO; a short read loops).
+
+        ``visit`` (with ``targets`` None): each chunk is handed to ``visit(i, view)`` where it
+        lies, in the shared segment (no copy) or in fresh bytes, and ``results[i]`` is its
+        length; the view is valid only during the call."""
         head, max_body = self._head, self._max_body
         results: list[bytes | int | str] = []
         value_error: ValueError | None = None
@@ -198,11 +204,18 @@ class DataConn:
             elif flags & SHM:
                 body, have = self._body(length, more, deadline)
                 ref = parse_ref(body, "CHUNK")
+                if visit is not None:
+                    visit(i, self.referenced(ref))
+                    results.append(ref.length)
+                    continue
                 try:
                     results.append(self.resolve(ref, targets[i] if targets is not None else None))
                 except ValueError as exc:  # the caller's buffer is too small: drain first
                     value_error = exc
                     results.append("error")
+            elif visit is not None:
+                visit(i, memoryview(self._recv_bytes(length, deadline)))
+                results.append(length)
             elif targets is None:
                 results.append(self._recv_bytes(length, deadline))
             else:
@@ -313,11 +326,16 @@ class DataConn:
         self._shm_map, self.shm = mapping, memoryview(mapping)
         return True
 
-    def resolve(self, ref: ShmRef, target: memoryview | None) -> bytes | int:
-        """Copy a referenced chunk out of the segment (before the connection is reused)."""
+    def referenced(self, ref: ShmRef) -> memoryview:
+        """A read-only view of a referenced chunk in the segment, valid until this connection
+        serves its next request (the server never reuses a region within one reply)."""
         if self.shm is None or not ref.within(self.shm.nbytes):
             raise ProtocolError(f"reference {ref} outside the mapped segment")
-        src = self.shm[ref.offset : ref.offset + ref.length]
+        return self.shm[ref.offset : ref.offset + ref.length].toreadonly()
+
+    def resolve(self, ref: ShmRef, target: memoryview | None) -> bytes | int:
+        """Copy a referenced chunk out of the segment (before the connection is reused)."""
+        src = self.referenced(ref)
         if target is None:
             return bytes(src)
         if target.nbytes < ref.length:

@@ -51,8 +51,8 @@ from kvtier.protocol.frames import (
 )
 from kvtier.protocol.session import GetReplyCollector
 from kvtier.protocol.socket_io import send_all
-from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss
-from kvtier.tiers.remote.data_conn import DataConn
+from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss
+from kvtier.tiers.remote.data_conn import DataConn, Visit
 from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk
 from kvtier.tiers.remote.heap import retain_freed_blocks
 
@@ -177,6 +177,35 @@ class SocketDataPath:
                     out.append(n if not isinstance(checked, Miss) else checked)
         return out
 
+    def get_visit(self, keys: Sequence[bytes], visit: Visit, deadline: float) -> list[int | Miss]:
+        """Hand each chunk to ``visit(i, view)`` where it lies (in the shared segment: no copy
+        on this side); ``view`` is read-only and valid only during the call. A chunk whose
+        header does not name its key is a CORRUPT miss and never visited. Per key: the
+        chunk's length, or the miss. A retry on a fresh connection (a stale pooled one) may
+        visit an index again with the same chunk."""
+        out: list[int | Miss] = []
+        step = self.limits.max_batch_keys
+        for base in range(0, len(keys), step):
+            batch = keys[base : base + step]
+            bad: dict[int, Miss] = {}
+
+            def checked(i: int, view: memoryview, base: int = base, batch: Sequence[bytes] = batch,
+                        bad: dict[int, Miss] = bad) -> None:
+                miss = check_chunk(batch[i], view)
+                if isinstance(miss, Miss):
+                    bad[i] = miss
+                else:
+                    visit(base + i, view)
+
+            results = self._retry(self._get, batch, None, deadline, checked)
+            for i, r in enumerate(results):
+                if isinstance(r, str):
+                    out.append(Miss(r))
+                else:
+                    assert isinstance(r, int)  # visited: lengths
+                    out.append(bad.get(i, r))
+        return out
+
     def _retry(self, op: Callable[..., T], *args: Any) -> T:
         """Run ``op``; when it found a pooled connection dead (the server closes connections
         idle for 10 minutes, or restarted), drop the idle pool and run it once more on a fresh
@@ -194,7 +223,7 @@ class SocketDataPath:
                 raise NodeError(NODE_DOWN, f"data path {self.host}:{self.port}: connection lost", down=False) from None
 
     def _get(self, keys: Sequence[bytes], targets: Sequence[memoryview] | None,
-             deadline: float) -> list[bytes | int | str]:
+             deadline: float, visit: Visit | None = None) -> list[bytes | int | str]:
         conn = self._checkout(deadline)
         ok = False
         try:
@@ -203,9 +232,9 @@ class SocketDataPath:
             send_all(conn.sock, encode_get(keys))
             read = conn.read_reply if not conn.tls else partial(self._collect, conn)  # TLS: no MSG_WAITALL
             try:
-                results, error = read(len(keys), targets, deadline)
+                results, error = read(len(keys), targets, deadline, visit)
             except ValueError:  # a caller's buffer too small; the reply was drained
-                ok = True
+                ok = visit is None  # (a visitor's own ValueError leaves the reply half read)
                 raise
             ok = True
             overflow, conn.overflow = conn.overflow, {}
@@ -223,8 +252,8 @@ class SocketDataPath:
         return results
 
     @staticmethod
-    def _collect(conn: DataConn, n: int, targets: Sequence[memoryview] | None, deadline: float
-                 ) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
+    def _collect(conn: DataConn, n: int, targets: Sequence[memoryview] | None, deadline: float,
+                 visit: Visit | None = None) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
         """A GET reply frame by frame through :meth:`DataConn.read` (TLS): what
         :meth:`DataConn.read_reply` returns, and the same ValueError once the reply is drained."""
         collector = GetReplyCollector(n, into=targets is not None)
@@ -234,8 +263,12 @@ class SocketDataPath:
             conn.following = n - len(results) - 1  # after this one, if not an ERROR
             collector.accept(conn.read(deadline))
             last = results[-1] if results else None
-            if isinstance(last, ShmRef):  # copy it out now, while the server fills the next
-                i = len(results) - 1
+            i = len(results) - 1
+            if visit is not None and isinstance(last, (ShmRef, bytes)):
+                view = conn.referenced(last) if isinstance(last, ShmRef) else memoryview(last)
+                visit(i, view)
+                results[i] = view.nbytes
+            elif isinstance(last, ShmRef):  # copy it out now, while the server fills the next
                 try:
                     results[i] = conn.resolve(last, targets[i] if targets is not None else None)
                 except ValueError as exc:  # the caller's buffer is too small: drain first
@@ -251,7 +284,17 @@ class SocketDataPath:
             out += self._retry(self._put, entries[base : base + step], deadline)
         return out
 
-    def _put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+    def put_filled(self, items: Sequence[FilledEntry], deadline: float) -> list[bool]:
+        """:meth:`put` of chunks each ``fill`` writes: on shared memory straight into the
+        segment, its reference sent at once (the server verifies and stores chunk i while
+        chunk i+1 is filled); otherwise filled into fresh memory and sent inline."""
+        out: list[bool] = []
+        step = self.limits.max_batch_keys
+        for base in range(0, len(items), step):
+            out += self._retry(self._put, items[base : base + step], deadline)
+        return out
+
+    def _put(self, entries: Sequence[Entry | FilledEntry], deadline: float) -> list[bool]:
         conn = self._checkout(deadline)
         ok = False
         try:
@@ -262,6 +305,7 @@ class SocketDataPath:
             else:
                 parts: list[bytes | bytearray | memoryview] = []
                 for i, e in enumerate(entries):  # one sendmsg for many frames; chunks never copied
+                    e = e.materialize() if isinstance(e, FilledEntry) else e
                     parts += encode_put(e.key, memoryview(e.data).cast("B"), e.depth, e.parent, i < last)
                 send_all(conn.sock, parts)
             frame = conn.read(deadline)
@@ -278,20 +322,24 @@ class SocketDataPath:
             self._checkin(conn, ok)
 
     @staticmethod
-    def _put_shm(conn: DataConn, entries: Sequence[Entry]) -> None:
-        """Copy each chunk into the segment and send its reference at once (the server
-        verifies chunk i while chunk i+1 is copied); what does not fit goes inline."""
+    def _put_shm(conn: DataConn, entries: Sequence[Entry | FilledEntry]) -> None:
+        """Copy (or fill) each chunk into the segment and send its reference at once (the
+        server verifies chunk i while chunk i+1 is copied); what does not fit goes inline."""
         assert conn.shm is not None
         offset, last = 0, len(entries) - 1
         for i, e in enumerate(entries):
-            data = memoryview(e.data).cast("B")
-            n = data.nbytes
+            n = e.length if isinstance(e, FilledEntry) else memoryview(e.data).nbytes
             if offset + n <= conn.shm.nbytes:
-                conn.shm[offset : offset + n] = data
+                room = conn.shm[offset : offset + n]
+                if isinstance(e, FilledEntry):
+                    e.fill(room)
+                else:
+                    room[:] = memoryview(e.data).cast("B")
                 send_all(conn.sock, encode_put_ref(e.key, offset, n, e.depth, e.parent, i < last))
                 offset += (n + 63) & ~63
             else:
-                send_all(conn.sock, encode_put(e.key, data, e.depth, e.parent, i < last))
+                data = e.materialize().data if isinstance(e, FilledEntry) else e.data
+                send_all(conn.sock, encode_put(e.key, memoryview(data).cast("B"), e.depth, e.parent, i < last))
 
     @property
     def kind(self) -> str:

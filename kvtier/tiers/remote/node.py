@@ -35,7 +35,7 @@ from kvtier.protocol.addresses import is_loopback
 from kvtier.protocol.frames import WireLimits
 from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
-from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, Miss, Probe, copy_into
+from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe, copy_into
 from kvtier.tiers.remote.data_path import SocketDataPath
 from kvtier.tiers.remote.errors import REFUSALS, REQUEST_ERRORS, NodeError, check_chunk
 
@@ -266,13 +266,12 @@ class NodeClient:
         self.data = data
         log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
 
-    def lookup_future(self, keys: Sequence[bytes], deadline: float) -> grpc.Future:
-        return self._ensure_channel().Lookup.future(pb.LookupRequest(keys=keys), timeout=self._timeout(deadline),
-                                       metadata=self.metadata)
-
     def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
         try:
-            reply = self.lookup_future(keys, deadline).result()
+            # The blocking call, not lookup_future().result(): a future starts a channel spin
+            # thread per call (a thread start, milliseconds on a loaded host, per probe).
+            reply = self._ensure_channel().Lookup(pb.LookupRequest(keys=keys), timeout=self._timeout(deadline),
+                                                  metadata=self.metadata)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Lookup") from None
         return Probe(reply.hits, reply.reason or "absent")
@@ -334,9 +333,20 @@ class NodeClient:
         return self._fast_or_grpc(deadline, lambda data: data.get_into(keys, outs, deadline),
                                   lambda: copy_into(self.grpc_get(keys, deadline), outs))
 
+    def get_visit(self, keys: Sequence[bytes], visit: Callable[[int, memoryview], None],
+                  deadline: float) -> list[int | Miss]:
+        """``visit(i, view)`` for each chunk found, where it lies (SocketDataPath.get_visit)."""
+        return self._fast_or_grpc(deadline, lambda data: data.get_visit(keys, visit, deadline),
+                                  lambda: _visit_all(self.grpc_get(keys, deadline), visit))
+
     def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         return self._fast_or_grpc(deadline, lambda data: data.put(entries, deadline),
                                   lambda: self.grpc_put(entries, deadline))
+
+    def put_filled(self, items: Sequence[FilledEntry], deadline: float) -> list[bool]:
+        """``put`` of chunks written by their ``fill`` (in the shared segment when there is one)."""
+        return self._fast_or_grpc(deadline, lambda data: data.put_filled(items, deadline),
+                                  lambda: self.grpc_put([i.materialize() for i in items], deadline))
 
     def _fast_or_grpc(self, deadline: float, fast: Callable[[SocketDataPath], R],
                       grpc_call: Callable[[], R]) -> R:
@@ -370,6 +380,13 @@ class NodeClient:
             data.close()
         if channel is not None:
             channel.close()
+
+
+def _visit_all(values: Sequence[bytes | Miss], visit: Callable[[int, memoryview], None]) -> list[int | Miss]:
+    for i, value in enumerate(values):
+        if not isinstance(value, Miss):
+            visit(i, memoryview(value))
+    return [v if isinstance(v, Miss) else len(v) for v in values]
 
 
 def _put_messages(entries: Sequence[Entry]) -> Any:

@@ -47,6 +47,7 @@ from kvtier.tiers.base import (
     NODE_DOWN,
     TIMEOUT,
     Entry,
+    FilledEntry,
     Miss,
     Probe,
     TierBase,
@@ -204,7 +205,10 @@ class GrpcTier(TierBase):
         deadline = time.monotonic() + self.config.timeout_s
         view = self.cluster.view
         anchors, placement = self._placement(view, keys, prefix)
-        for lo, hi in probe_waves(anchors):
+        # Waves spare the nodes of later groups a short hit; when every key has the same
+        # replicas (one node, say) there are none to spare: one request asks for them all.
+        same = all(p == placement[0] for p in placement)
+        for lo, hi in [(0, len(keys))] if same else probe_waves(anchors):
             per_node: dict[str, list[int]] = defaultdict(list)  # node -> positions of its keys
             for pos in range(lo, hi):
                 for n in self._live(view, placement[pos]):
@@ -246,6 +250,19 @@ class GrpcTier(TierBase):
         return self._read(keys, prefix, lambda node, pos, deadline: node.get_into(
             [keys[j] for j in pos], [outs[j] for j in pos], deadline), hedge=False)
 
+    def get_visit(self, keys: Sequence[bytes], visit: Callable[[int, memoryview], None]) -> list[int | Miss]:
+        """Hand each chunk found to ``visit(i, view)`` where it lies (on the shared-memory data
+        path: in the segment, no copy into a buffer of ours), instead of returning it: per key
+        its length or the miss. ``view`` is read-only and valid only during the call; the
+        visitor verifies what it uses (only the header's key and length are checked here)
+        and must not raise. Calls for different keys may come from different threads (one
+        per node) and an index may be visited again after a failed attempt, so the visitor
+        writes disjoint places and is idempotent. No hedging (as get_into)."""
+        check_keys(keys)
+        self._check_open()
+        return self._read(keys, None, lambda node, pos, deadline: node.get_visit(
+            [keys[j] for j in pos], lambda i, view: visit(pos[i], view), deadline), hedge=False)
+
     def _read(self, keys: Sequence[bytes], prefix: Prefix | None,
               fetch: Callable[[NodeClient, list[int], float], Sequence[V | Miss]],
               hedge: bool = True) -> list[V | Miss]:
@@ -260,26 +277,46 @@ class GrpcTier(TierBase):
     def _put_in(self, entries: Sequence[Entry], prefix: Prefix | None) -> list[bool]:
         check_keys([e.key for e in entries])
         self._check_open()
+        whole = []
+        for e in entries:
+            whole.append(is_whole_chunk(e))
+            if not whole[-1]:  # nodes refuse it, and with it the rest of its batch: drop it alone
+                log.warning("grpc tier: not storing %s: not a whole chunk of that key", e.key.hex()[:16])
+        return self._put_placed([e.key for e in entries], [len(e.data) for e in entries], whole, prefix,
+                                lambda client, pos, deadline: client.put([entries[p] for p in pos], deadline))
+
+    def put_filled(self, items: Sequence[FilledEntry]) -> list[bool]:
+        """``put`` of chunks that each item's ``fill`` writes where the node's data path wants
+        them (on shared memory: straight into the segment, no buffer of ours in between).
+        The node verifies each chunk as it does for ``put``."""
+        check_keys([i.key for i in items])
+        self._check_open()
+        return self._put_placed([i.key for i in items], [i.length for i in items], [True] * len(items), None,
+                                lambda client, pos, deadline: client.put_filled([items[p] for p in pos], deadline))
+
+    def _put_placed(self, keys: Sequence[bytes], sizes: Sequence[int], wanted: Sequence[bool],
+                    prefix: Prefix | None, send: Callable[[NodeClient, list[int], float], list[bool]]) -> list[bool]:
+        """Send chunk ``i`` (``sizes[i]`` bytes; skipped unless ``wanted[i]``) to its live
+        replicas, ``send(node, positions, deadline)`` per node in parallel; per chunk whether
+        some node stored it."""
         deadline = time.monotonic() + self.config.timeout_s
         view = self.cluster.view
-        _, placement = self._placement(view, [e.key for e in entries], prefix)
+        _, placement = self._placement(view, keys, prefix)
         per_node: dict[str, list[int]] = defaultdict(list)
-        for pos, e in enumerate(entries):
-            if not is_whole_chunk(e):
-                log.warning("grpc tier: not storing %s: not a whole chunk of that key", e.key.hex()[:16])
-                continue  # nodes refuse it, and with it the rest of its batch: drop it alone
-            for n in self._live(view, placement[pos]):
-                per_node[n].append(pos)
+        for pos in range(len(keys)):
+            if wanted[pos]:
+                for n in self._live(view, placement[pos]):
+                    per_node[n].append(pos)
 
         def put_fitting(client: NodeClient, pos: list[int]) -> list[bool]:
             # The node's limit is known once it is open (Info), so it is applied here.
-            fit = [p for p in pos if len(entries[p].data) <= client.max_chunk_bytes]
-            flags = dict(zip(fit, client.put([entries[p] for p in fit], deadline) if fit else []))
+            fit = [p for p in pos if sizes[p] <= client.max_chunk_bytes]
+            flags = dict(zip(fit, send(client, fit, deadline) if fit else []))
             return [flags.get(p, False) for p in pos]
 
         results = self._fanout([(n, self._job(view.clients[n], deadline, partial(put_fitting, pos=p)))
                                 for n, p in per_node.items()])
-        stored = [False] * len(entries)
+        stored = [False] * len(keys)
         for n, result in results.items():
             if isinstance(result, NodeError):
                 self._failed(view.clients[n], result)
