@@ -60,6 +60,7 @@ from kvtier.tiers.remote.hedged import read_hedged
 from kvtier.tiers.remote.membership import Resolver, resolver_for, static_resolver
 from kvtier.tiers.remote.node import NodeClient, channel_credentials, read_token
 from kvtier.tiers.remote.placement import place, probe_waves
+from kvtier.tiers.remote.prefix import Prefix, PrefixVerbs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,13 +76,6 @@ def is_whole_chunk(entry: Entry) -> bool:
     except ChunkError:
         return False
     return header.key == entry.key and header.nbytes == memoryview(entry.data).nbytes
-
-
-class Prefix:
-    """Chunk keys of one prefix: ``keys[d]`` is chunk ``d``."""
-
-    def __init__(self, keys: Sequence[bytes]) -> None:
-        self.keys = keys
 
 
 class GrpcTier(TierBase):
@@ -384,32 +378,3 @@ def _miss_reason(reps: list[str], failed: dict[str, str], results: Mapping[str, 
         return first.reason if isinstance(first, Probe) else ABSENT
     reasons = [failed[n] for n in reps if n in failed]
     return TIMEOUT if TIMEOUT in reasons else (reasons[0] if reasons else NODE_DOWN)
-
-
-class PrefixVerbs:
-    """The tier's verbs bound to one prefix: keys are placed by their group's first key."""
-
-    def __init__(self, tier: GrpcTier, prefix: Prefix) -> None:
-        self.tier = tier
-        self.prefix = prefix
-        self.name = tier.name
-
-    def probe(self, keys: Sequence[bytes]) -> Probe:
-        check_keys(keys)
-        self.tier._check_open()
-        return self.tier._probe_in(keys, self.prefix)
-
-    def contains(self, keys: Sequence[bytes]) -> int:
-        return self.probe(keys).hits
-
-    def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
-        return self.tier._get_in(keys, self.prefix)
-
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
-        return self.tier._get_into_in(keys, outs, self.prefix)
-
-    def put(self, entries: Sequence[Entry]) -> list[bool]:
-        return self.tier._put_in(entries, self.prefix)
-
-    def delete(self, keys: Sequence[bytes]) -> int:
-        return self.tier._delete_in(keys, self.prefix)
