@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,17 +39,30 @@ log = logging.getLogger(__name__)
 PageBytes = Callable[[int], np.ndarray]  # page i -> writable uint8 view of its canonical bytes
 
 
+TierT = TypeVar("TierT")
+
+
+def first_tier_of(cache: PrefixCache, kind: type[TierT]) -> TierT | None:
+    """The store's first tier when it is a ``kind`` (whose chunks can be read where they lie)."""
+    tiers = cache.store.tiers
+    return tiers[0] if tiers and isinstance(tiers[0], kind) else None
+
+
+def only_raw_tier_of(cache: PrefixCache, kind: type[TierT]) -> TierT | None:
+    """The store's only tier when it is a ``kind`` and chunks are raw, so a page can be framed
+    in place (no cascade to a lower tier, no codec between the page and the stored bytes)."""
+    raw = cache.codec == Codec.RAW and not cache.shuffle
+    return first_tier_of(cache, kind) if raw and len(cache.store.tiers) == 1 else None
+
+
 def leasing_tier(cache: PrefixCache) -> CpuTier | None:
     """The store's first tier when it is a cpu tier whose chunks can be read in place."""
-    tiers = cache.store.tiers
-    return tiers[0] if tiers and isinstance(tiers[0], CpuTier) else None
+    return first_tier_of(cache, CpuTier)
 
 
 def writable_tier(cache: PrefixCache) -> CpuTier | None:
     """The store's only tier when it is a cpu tier raw chunks can be framed in (no cascade)."""
-    tiers = cache.store.tiers
-    raw = cache.codec == Codec.RAW and not cache.shuffle
-    return tiers[0] if raw and len(tiers) == 1 and isinstance(tiers[0], CpuTier) else None
+    return only_raw_tier_of(cache, CpuTier)
 
 
 def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_tokens: int,

@@ -31,27 +31,23 @@ import numpy as np
 
 from kvtier.cache import PrefixCache
 from kvtier.chunk import HEADER_SIZE, decode_chunk
-from kvtier.codec import Codec
 from kvtier.errors import ChunkError
 from kvtier.tiers.base import FilledEntry, Miss
 from kvtier.tiers.remote.tier import GrpcTier
 
-from .arena import PageBytes, page_framer
+from .arena import PageBytes, first_tier_of, only_raw_tier_of, page_framer
 
 log = logging.getLogger(__name__)
 
 
 def remote_tier(cache: PrefixCache) -> GrpcTier | None:
     """The store's first tier when it is a grpc tier (chunks can be read where they lie)."""
-    tiers = cache.store.tiers
-    return tiers[0] if tiers and isinstance(tiers[0], GrpcTier) else None
+    return first_tier_of(cache, GrpcTier)
 
 
 def filling_tier(cache: PrefixCache) -> GrpcTier | None:
     """The store's only tier when it is a grpc tier raw chunks can be framed in (no cascade)."""
-    tiers = cache.store.tiers
-    raw = cache.codec == Codec.RAW and not cache.shuffle
-    return tiers[0] if raw and len(tiers) == 1 and isinstance(tiers[0], GrpcTier) else None
+    return only_raw_tier_of(cache, GrpcTier)
 
 
 def read_visited(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page_tokens: int,
