@@ -4,12 +4,24 @@ consecutive chunks of a prefix are placed by their group's first key (docs/place
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.tiers.base import Entry, Miss, Probe, check_keys
 
-if TYPE_CHECKING:
-    from kvtier.tiers.remote.tier import GrpcTier
+
+class PlacedTier(Protocol):
+    """What the bound verbs need of the grpc tier (kvtier.tiers.remote.tier.GrpcTier; not
+    imported here, so the two modules do not import each other)."""
+
+    name: str
+
+    def _check_open(self) -> None: ...
+    def _probe_in(self, keys: Sequence[bytes], prefix: Prefix | None) -> Probe: ...
+    def _get_in(self, keys: Sequence[bytes], prefix: Prefix | None) -> list[bytes | Miss]: ...
+    def _get_into_in(self, keys: Sequence[bytes], outs: Sequence[memoryview], prefix: Prefix | None
+                     ) -> list[int | Miss]: ...
+    def _put_in(self, entries: Sequence[Entry], prefix: Prefix | None) -> list[bool]: ...
+    def _delete_in(self, keys: Sequence[bytes], prefix: Prefix | None) -> int: ...
 
 
 class Prefix:
@@ -22,7 +34,7 @@ class Prefix:
 class PrefixVerbs:
     """The tier's verbs bound to one prefix: keys are placed by their group's first key."""
 
-    def __init__(self, tier: GrpcTier, prefix: Prefix) -> None:
+    def __init__(self, tier: PlacedTier, prefix: Prefix) -> None:
         self.tier = tier
         self.prefix = prefix
         self.name = tier.name
