@@ -77,8 +77,7 @@ class TieredStore:
             tier.evict_listener = self._make_evict_listener(level)
         # Per-lookup constants, resolved once: isinstance against a runtime Protocol costs
         # ~10 us a tier, a labelled child ~1 us (issue 16's lookup budget).
-        self._placed = tuple(isinstance(t, PrefixPlaced) for t in self.tiers)
-        self._placed_ids = {id(t) for t, placed in zip(self.tiers, self._placed) if placed}
+        self._placed_ids = {id(t) for t in self.tiers if isinstance(t, PrefixPlaced)}
         self._hit_chunks = tuple(self.metrics.hit_chunks.labels(name) for name in names)
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-writer", daemon=True)
         self._writer.start()
@@ -120,10 +119,7 @@ class TieredStore:
 
     def _bind_all(self, prefix: Sequence[bytes] | None) -> list[Tier | PrefixOps]:
         """Every tier's verbs for ``prefix`` (see :meth:`_verbs`)."""
-        if prefix is None:
-            return list(self.tiers)
-        return [t.for_prefix(prefix) if placed else t  # type: ignore[attr-defined]
-                for t, placed in zip(self.tiers, self._placed)]
+        return [self._verbs(t, prefix) for t in self.tiers]
 
     def _verbs(self, tier: Tier, prefix: Sequence[bytes] | None) -> Tier | PrefixOps:
         """:func:`bind_prefix` for one of this store's tiers, with the isinstance test made
