@@ -211,6 +211,13 @@ class NodeClient:
         log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
 
     def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
+        """Leading ``keys`` present: over the data path when the node serves LOOKUP there and a
+        connection is free (a fraction of a gRPC call's fixed cost), else over gRPC. The data
+        path failing falls back as a GET does (:meth:`_fast_or_grpc`)."""
+        probe = self._fast_or_grpc(deadline, lambda data: data.lookup(keys, deadline), lambda: None)
+        return probe if probe is not None else self.grpc_lookup(keys, deadline)
+
+    def grpc_lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
         try:
             # The blocking call, not lookup_future().result(): a future starts a channel spin
             # thread per call (a thread start, milliseconds on a loaded host, per probe).
