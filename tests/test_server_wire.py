@@ -14,6 +14,8 @@ from kvtier.protocol.frames import (
     CHUNK,
     ERROR,
     GET,
+    LOOKUP,
+    LOOKUP_REPLY,
     PUT,
     PUT_REPLY,
     SHM_MAPPED,
@@ -22,6 +24,7 @@ from kvtier.protocol.frames import (
     Frame,
     FrameHeader,
     FrameReader,
+    LookupKeys,
     ProtocolError,
     PutItem,
     ShmOffer,
@@ -33,6 +36,8 @@ from kvtier.protocol.frames import (
     encode_get,
     encode_header,
     encode_hello,
+    encode_lookup,
+    encode_lookup_reply,
     encode_miss,
     encode_put,
     encode_put_ref,
@@ -41,10 +46,13 @@ from kvtier.protocol.frames import (
     encode_shm_open,
     encode_shm_ready,
     encode_welcome,
+    parse_lookup,
+    parse_lookup_reply,
     parse_put,
     parse_put_reply,
     parse_shm_ready,
     parse_welcome,
+    welcome_ops,
 )
 from kvtier.protocol.session import GetReplyCollector, ServerSession, ShmControl
 from tests.kvtier_servers import make_keys
@@ -71,6 +79,9 @@ class MemoryServer:
             request = self.session.accept(frame)
             if isinstance(request, str):
                 out += encode_welcome({"tenant": "t"}) if request == "good-token" else encode_error(16, "no")
+            elif isinstance(request, LookupKeys):
+                hits = next((i for i, k in enumerate(request.keys) if k not in self.store), len(request.keys))
+                out += encode_lookup_reply(hits, "absent")
             elif isinstance(request, list):
                 for i, key in enumerate(request):
                     value = self.store.get(key)
@@ -117,6 +128,34 @@ def test_in_memory_pair_round_trip(step: int) -> None:
     for frame in pump(reply, client, step):
         collector.accept(frame)
     assert collector.done and collector.results == values[:4] + ["absent"]
+    # LOOKUPs: the leading run of stored keys, and why it stopped
+    for asked, hits in ((keys, 4), (keys[:3], 3), (keys[4:], 0), ([], 0)):
+        reply = b"".join(pump(join(encode_lookup(asked)), server, step))
+        (frame,) = pump(reply, client, step)
+        assert parse_lookup_reply(frame, len(asked)) == (hits, "absent")
+
+
+def test_lookup_frames() -> None:
+    """LOOKUP keeps GET's limits; a reply never claims more hits than keys asked; WELCOME's
+    ops are a list of strings, none when absent (an older server)."""
+    keys = make_keys(3, seed=2)
+    assert parse_lookup(_frames(join(encode_lookup(keys)))[0], LIMITS) == LookupKeys(keys)
+    with pytest.raises(ProtocolError, match="LOOKUP of 2 keys with a 32-byte body"):
+        parse_lookup(_frames(encode_header(LOOKUP, 0, 2, 32) + b"k" * 32)[0], LIMITS)
+    with pytest.raises(ProtocolError, match="exceeds"):  # more keys than max_batch_keys: header refused
+        FrameReader(LIMITS).feed(join(encode_lookup(make_keys(65))))
+    assert parse_lookup_reply(_frames(join(encode_lookup_reply(2, "evicted")))[0], 3) == (2, "evicted")
+    with pytest.raises(ProtocolError, match="4 hits for 3 keys"):
+        parse_lookup_reply(_frames(join(encode_lookup_reply(4, "absent")))[0], 3)
+    with pytest.raises(ProtocolError, match="not UTF-8"):
+        parse_lookup_reply(_frames(encode_header(LOOKUP_REPLY, 0, 0, 2) + b"\xff\xfe")[0], 3)
+    with pytest.raises(ProtocolError, match="expected LOOKUP_REPLY"):
+        parse_lookup_reply(_frames(join(encode_put_reply([True])))[0], 1)
+    assert welcome_ops({"tenant": "t"}) == frozenset()
+    assert welcome_ops({"ops": ["lookup", "later"]}) == {"lookup", "later"}
+    for bad in ("lookup", [1], {"lookup": 1}):
+        with pytest.raises(ProtocolError, match="ops"):
+            welcome_ops({"ops": bad})
 
 
 def test_whole_body_in_bytes_is_not_copied() -> None:
@@ -213,6 +252,8 @@ def test_session_order_rules() -> None:
     session.accept(_frames(join(encode_put(key, b"v", more=True)))[0])
     with pytest.raises(ProtocolError, match="unexpected GET"):  # no GET inside a PUT batch
         session.accept(_frames(join(encode_get([key])))[0])
+    with pytest.raises(ProtocolError, match="unexpected LOOKUP"):  # nor a LOOKUP
+        session.accept(_frames(join(encode_lookup([key])))[0])
     with pytest.raises(ProtocolError, match="version"):
         ServerSession(LIMITS).accept(_frames(encode_header(1, 0, 9, 0))[0])
     with pytest.raises(ProtocolError, match="GET of 2 keys"):
@@ -282,7 +323,7 @@ def test_fuzz_decoder_and_session(data: bytes, cuts: list[int]) -> None:
 @given(data=st.binary(min_size=16, max_size=200))
 def test_fuzz_valid_header_random_body(data: bytes) -> None:
     rng = random.Random(data)
-    ftype = rng.choice([GET, PUT, CHUNK, PUT_REPLY, WELCOME])
+    ftype = rng.choice([GET, PUT, CHUNK, PUT_REPLY, WELCOME, LOOKUP, LOOKUP_REPLY])
     body = data[16:]
     try:
         frames = FrameReader(LIMITS).feed(encode_header(ftype, rng.choice([0, 1, 2, 3]), rng.randrange(0, 70),
@@ -298,5 +339,10 @@ def test_fuzz_valid_header_random_body(data: bytes) -> None:
             pass
         try:
             GetReplyCollector(70).accept(frame)
+        except ProtocolError:
+            pass
+        try:
+            hits, _ = parse_lookup_reply(frame, 40)
+            assert hits <= 40
         except ProtocolError:
             pass

@@ -9,19 +9,23 @@ Frame = 16-byte header + body::
 
     off size  field
       0   2   magic b"KW"
-      2   1   type (HELLO, WELCOME, ERROR, GET, CHUNK, MISS, PUT, PUT_REPLY)
+      2   1   type (HELLO, WELCOME, ERROR, GET, CHUNK, MISS, PUT, PUT_REPLY, LOOKUP, LOOKUP_REPLY, SHM_*)
       3   1   flags (MORE = 1: another PUT of the same batch follows; PARENT = 2; SHM = 4)
       4   4   count (u32: meaning per type, below)
       8   8   body length (u64)
 
 Conversation: the client sends HELLO (count = protocol version, body = bearer token) and gets
-WELCOME (body = JSON: tenant, limits) or ERROR (count = gRPC status code, body = message) and a
-close. Then any number of requests, one at a time per connection:
+WELCOME (body = JSON: tenant, limits, ``ops``: the optional requests it serves, below) or ERROR
+(count = gRPC status code, body = message) and a close. Then any number of requests, one at a
+time per connection:
 
 - GET (count = n, body = n 32-byte keys) -> n frames in key order: CHUNK (count = index, body =
   the chunk) or MISS (count = index, body = reason), or one ERROR for a refused request.
 - PUT (count = depth, flags MORE/PARENT, body = key ‖ [parent] ‖ chunk), repeated with MORE
   set on all but the batch's last -> PUT_REPLY (count = n, body = n bytes 1/0 stored) or ERROR.
+- LOOKUP (count = n, body = n 32-byte keys; only to a server whose WELCOME ``ops`` has
+  ``"lookup"``) -> LOOKUP_REPLY (count = how many leading keys the tenant's store holds, body
+  = why the run stopped, UTF-8, as the gRPC ``Lookup``'s ``reason``). Limits as GET's.
 
 Shared memory (same host): SHM_OPEN -> SHM_READY (body = JSON ``socket``, ``ticket``, ``size``
 of a sealed memfd the server made for this connection) -> the client connects to the abstract
@@ -49,6 +53,7 @@ from collections.abc import Callable
 
 from kvtier.protocol.messages import (
     Buffers,
+    LookupKeys,
     PutItem,
     ShmOffer,
     ShmRef,
@@ -57,6 +62,8 @@ from kvtier.protocol.messages import (
     encode_error,
     encode_get,
     encode_hello,
+    encode_lookup,
+    encode_lookup_reply,
     encode_miss,
     encode_put,
     encode_put_ref,
@@ -68,12 +75,15 @@ from kvtier.protocol.messages import (
     expect_type,
     parse_get,
     parse_hello,
+    parse_lookup,
+    parse_lookup_reply,
     parse_put,
     parse_put_reply,
     parse_ref,
     parse_shm_ready,
     parse_text,
     parse_welcome,
+    welcome_ops,
 )
 from kvtier.protocol.wire import (
     CHUNK,
@@ -83,9 +93,12 @@ from kvtier.protocol.wire import (
     HEADER_SIZE,
     HELLO,
     HELLO_MAX,
+    LOOKUP,
+    LOOKUP_REPLY,
     MAGIC,
     MISS,
     MORE,
+    OP_LOOKUP,
     PARENT,
     PUT,
     PUT_REPLY,
@@ -105,14 +118,15 @@ from kvtier.protocol.wire import (
 )
 
 __all__ = [
-    "CHUNK", "ERROR", "GET", "HEADER", "HEADER_SIZE", "HELLO", "HELLO_MAX", "MAGIC", "MISS", "MORE",
-    "PARENT", "PUT", "PUT_REPLY", "SHM", "SHM_MAPPED", "SHM_OPEN", "SHM_READY", "TYPE_NAMES", "VERSION",
-    "WELCOME", "BodyTarget", "Buffers", "Frame", "FrameHeader", "FrameReader", "ProtocolError", "PutItem",
-    "ShmOffer", "ShmRef", "WireLimits", "encode_chunk", "encode_chunk_ref", "encode_error", "encode_get",
-    "encode_header", "encode_hello", "encode_miss", "encode_put", "encode_put_ref", "encode_put_reply",
+    "CHUNK", "ERROR", "GET", "HEADER", "HEADER_SIZE", "HELLO", "HELLO_MAX", "LOOKUP", "LOOKUP_REPLY", "MAGIC",
+    "MISS", "MORE", "OP_LOOKUP", "PARENT", "PUT", "PUT_REPLY", "SHM", "SHM_MAPPED", "SHM_OPEN", "SHM_READY",
+    "TYPE_NAMES", "VERSION", "WELCOME", "BodyTarget", "Buffers", "Frame", "FrameHeader", "FrameReader",
+    "LookupKeys", "ProtocolError", "PutItem", "ShmOffer", "ShmRef", "WireLimits", "encode_chunk",
+    "encode_chunk_ref", "encode_error", "encode_get", "encode_header", "encode_hello", "encode_lookup",
+    "encode_lookup_reply", "encode_miss", "encode_put", "encode_put_ref", "encode_put_reply",
     "encode_shm_mapped", "encode_shm_open", "encode_shm_ready", "encode_welcome", "expect_type",
-    "parse_get", "parse_header", "parse_hello", "parse_put", "parse_put_reply", "parse_ref",
-    "parse_shm_ready", "parse_text", "parse_welcome",
+    "parse_get", "parse_header", "parse_hello", "parse_lookup", "parse_lookup_reply", "parse_put",
+    "parse_put_reply", "parse_ref", "parse_shm_ready", "parse_text", "parse_welcome", "welcome_ops",
 ]
 
 BodyTarget = Callable[[FrameHeader], memoryview | tuple[memoryview, memoryview] | None]

@@ -17,6 +17,8 @@ from kvtier.protocol.wire import (
     ERROR,
     GET,
     HELLO,
+    LOOKUP,
+    LOOKUP_REPLY,
     MISS,
     MORE,
     PARENT,
@@ -58,6 +60,17 @@ def encode_error(code: int, message: str) -> Buffers:
 def encode_get(keys: Sequence[bytes]) -> Buffers:
     body = b"".join(keys)
     return [encode_header(GET, 0, len(keys), len(body)), body]
+
+
+def encode_lookup(keys: Sequence[bytes]) -> Buffers:
+    body = b"".join(keys)
+    return [encode_header(LOOKUP, 0, len(keys), len(body)), body]
+
+
+def encode_lookup_reply(hits: int, reason: str) -> Buffers:
+    """``hits`` leading keys of the LOOKUP are present; ``reason``: why the run stopped."""
+    body = reason.encode()[:_SMALL]
+    return [encode_header(LOOKUP_REPLY, 0, hits, len(body)), body]
 
 
 def encode_chunk(index: int, chunk: bytes | bytearray | memoryview) -> Buffers:
@@ -142,13 +155,45 @@ def parse_welcome(frame: Frame) -> dict[str, Any]:
     return info
 
 
-def parse_get(frame: Frame, limits: WireLimits) -> list[bytes]:
-    expect_type(frame, GET)
+def welcome_ops(info: dict[str, Any]) -> frozenset[str]:
+    """The optional requests a WELCOME names (``ops``; none when absent: an older server)."""
+    ops = info.get("ops", [])
+    if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):
+        raise ProtocolError("WELCOME ops is not a list of strings")
+    return frozenset(ops)
+
+
+def _parse_keys(frame: Frame, limits: WireLimits) -> list[bytes]:
     n = frame.header.count
     if n > limits.max_batch_keys or frame.body.nbytes != n * KEY_BYTES:
-        raise ProtocolError(f"GET of {n} keys with a {frame.body.nbytes}-byte body")
+        raise ProtocolError(f"{TYPE_NAMES[frame.type]} of {n} keys with a {frame.body.nbytes}-byte body")
     body = bytes(frame.body)
     return [body[i : i + KEY_BYTES] for i in range(0, len(body), KEY_BYTES)]
+
+
+def parse_get(frame: Frame, limits: WireLimits) -> list[bytes]:
+    expect_type(frame, GET)
+    return _parse_keys(frame, limits)
+
+
+@dataclass(frozen=True)
+class LookupKeys:
+    """A LOOKUP request: how many leading ``keys`` the tenant's store holds."""
+
+    keys: list[bytes]
+
+
+def parse_lookup(frame: Frame, limits: WireLimits) -> LookupKeys:
+    expect_type(frame, LOOKUP)
+    return LookupKeys(_parse_keys(frame, limits))
+
+
+def parse_lookup_reply(frame: Frame, asked: int) -> tuple[int, str]:
+    """(hits, reason) of a LOOKUP of ``asked`` keys; hits never exceed ``asked``."""
+    expect_type(frame, LOOKUP_REPLY)
+    if frame.header.count > asked:
+        raise ProtocolError(f"LOOKUP_REPLY of {frame.header.count} hits for {asked} keys")
+    return frame.header.count, parse_text(frame)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """kvtier.protocol.frames's conversation rules, sans-I/O: which frame may come when, on each side.
 
-:class:`ServerSession` checks the order of what a client sends (HELLO first, then GETs, PUT
-batches and the shared-memory handshake) and decodes each frame into a request;
+:class:`ServerSession` checks the order of what a client sends (HELLO first, then GETs, LOOKUPs,
+PUT batches and the shared-memory handshake) and decodes each frame into a request;
 :class:`GetReplyCollector` checks the frames answering one GET. Both raise
 :class:`~kvtier.protocol.frames.ProtocolError` for anything out of place; the connection is then unusable.
 """
@@ -14,6 +14,7 @@ from kvtier.protocol.frames import (
     CHUNK,
     ERROR,
     GET,
+    LOOKUP,
     MISS,
     PUT,
     SHM,
@@ -21,6 +22,7 @@ from kvtier.protocol.frames import (
     SHM_OPEN,
     TYPE_NAMES,
     Frame,
+    LookupKeys,
     ProtocolError,
     PutItem,
     ShmRef,
@@ -28,6 +30,7 @@ from kvtier.protocol.frames import (
     expect_type,
     parse_get,
     parse_hello,
+    parse_lookup,
     parse_put,
     parse_ref,
     parse_text,
@@ -43,21 +46,24 @@ class ShmControl:
 
 
 class ServerSession:
-    """Frame order on the server side: HELLO first, then GETs and PUT batches. ``accept``
-    returns the frame's request or raises ProtocolError for a frame out of place."""
+    """Frame order on the server side: HELLO first, then GETs, LOOKUPs and PUT batches (none
+    inside a batch). ``accept`` returns the frame's request or raises ProtocolError for a frame
+    out of place."""
 
     def __init__(self, limits: WireLimits) -> None:
         self.limits = limits
         self.authenticated = False
         self.in_put = 0  # items received in the current PUT batch
 
-    def accept(self, frame: Frame) -> str | list[bytes] | PutItem | ShmControl:
+    def accept(self, frame: Frame) -> str | list[bytes] | LookupKeys | PutItem | ShmControl:
         if not self.authenticated:
             token = parse_hello(frame)
             self.authenticated = True
             return token
         if frame.type == GET and not self.in_put:
             return parse_get(frame, self.limits)
+        if frame.type == LOOKUP and not self.in_put:
+            return parse_lookup(frame, self.limits)
         if frame.type in (SHM_OPEN, SHM_MAPPED) and not self.in_put:
             return ShmControl(frame.type, frame.header.count)
         if frame.type == PUT:

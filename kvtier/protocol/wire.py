@@ -15,15 +15,19 @@ HEADER = struct.Struct("<2sBBIQ")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 16
 
-HELLO, WELCOME, ERROR, GET, CHUNK, MISS, PUT, PUT_REPLY, SHM_OPEN, SHM_READY, SHM_MAPPED = range(1, 12)
+(HELLO, WELCOME, ERROR, GET, CHUNK, MISS, PUT, PUT_REPLY, SHM_OPEN, SHM_READY, SHM_MAPPED, LOOKUP,
+ LOOKUP_REPLY) = range(1, 14)
 TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", ERROR: "ERROR", GET: "GET", CHUNK: "CHUNK",
               MISS: "MISS", PUT: "PUT", PUT_REPLY: "PUT_REPLY", SHM_OPEN: "SHM_OPEN",
-              SHM_READY: "SHM_READY", SHM_MAPPED: "SHM_MAPPED"}
+              SHM_READY: "SHM_READY", SHM_MAPPED: "SHM_MAPPED", LOOKUP: "LOOKUP", LOOKUP_REPLY: "LOOKUP_REPLY"}
+# Optional requests a server names in WELCOME's "ops"; a client sends one only to a server that
+# named it (a server without it would take the frame type for a protocol error).
+OP_LOOKUP = "lookup"
 MORE = 1
 PARENT = 2
 SHM = 4
 _REF = struct.Struct("<QQ")
-_SMALL = 64 << 10  # bound of control bodies (HELLO, WELCOME, ERROR, MISS)
+_SMALL = 64 << 10  # bound of control bodies (HELLO, WELCOME, ERROR, MISS, LOOKUP_REPLY)
 HELLO_MAX = 4096  # a bearer token is at most 4096 characters (kvtier.server.auth)
 
 
@@ -45,7 +49,7 @@ class WireLimits:
     def max_body(self, ftype: int) -> int:
         if ftype in (CHUNK, PUT):
             return self.max_chunk_bytes + 2 * KEY_BYTES
-        if ftype == GET:
+        if ftype in (GET, LOOKUP):
             return self.max_batch_keys * KEY_BYTES
         if ftype == PUT_REPLY:
             return self.max_batch_keys

@@ -19,6 +19,9 @@ ERROR, so a refused batch leaves nothing behind (chunks that were there before s
 On a RAM-only store a PUT's chunk is received straight into a RAM slot reserved for it
 (:class:`_DirectPut`; published only once verified), so the kernel's copy is the only one.
 GET replies are :mod:`kvtier.server.data_get`'s (RAM hits sent from the arena, no copy).
+LOOKUP answers as the gRPC ``Lookup`` does (the tenant store's probe, counted as a client
+lookup), without gRPC's per-call cost; WELCOME names it in ``ops`` so that clients send it
+only to servers that have it.
 
 Shared memory (same host, ``shm_bytes`` > 0): on SHM_OPEN the server makes a sealed memfd
 for this connection and hands its descriptor to the client over a one-shot Unix socket
@@ -49,18 +52,21 @@ import grpc
 
 from kvtier.keys import KEY_BYTES
 from kvtier.protocol.frames import (
+    OP_LOOKUP,
     PARENT,
     PUT,
     SHM,
     SHM_OPEN,
     FrameHeader,
     FrameReader,
+    LookupKeys,
     ProtocolError,
     PutItem,
     ShmOffer,
     ShmRef,
     WireLimits,
     encode_error,
+    encode_lookup_reply,
     encode_put_reply,
     encode_shm_ready,
     encode_welcome,
@@ -233,7 +239,7 @@ class DataPlane:
             send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], refused))
             return
         send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
-                                       "max_batch_keys": self.limits.max_batch_keys}))
+                                       "max_batch_keys": self.limits.max_batch_keys, "ops": [OP_LOOKUP]}))
         store = self.storage.store(tenant.name)
         direct = _DirectPut(store)
         reader = FrameReader(self.wire_limits, direct.target)
@@ -254,6 +260,9 @@ class DataPlane:
                     continue
                 if isinstance(request, list):
                     self.replier.send(sock, store, request, scratch, seg.view)
+                    continue
+                if isinstance(request, LookupKeys):
+                    self._lookup(sock, store, request.keys)
                     continue
                 assert isinstance(request, PutItem)
                 self._put_item(store, request, batch, seg.view, direct.take())
@@ -303,6 +312,13 @@ class DataPlane:
             seg.view = memoryview(seg.mapping)  # type: ignore[arg-type]  # pending: mapped
         else:
             seg.close()
+
+    def _lookup(self, sock: socket.socket, store: TenantStore, keys: list[bytes]) -> None:
+        start = time.perf_counter()
+        probe = store.probe(keys)
+        send_all(sock, encode_lookup_reply(probe.hits, probe.reason))
+        self.metrics.requests.labels("data.Lookup", "OK").inc()
+        self.metrics.seconds.labels("data.Lookup").observe(time.perf_counter() - start)
 
     def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None,
                   reserved: Reservation | None = None) -> None:

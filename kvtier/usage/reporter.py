@@ -53,7 +53,7 @@ class UsageReporter:
         # grpc is an optional extra: imported only when a store has a grpc tier to report to.
         import grpc
 
-        from kvtier.tiers.remote.node import channel_credentials, channel_options, read_token
+        from kvtier.tiers.remote.channel import channel_credentials, channel_options, read_token
 
         self._grpc = grpc
         self._seq = 0

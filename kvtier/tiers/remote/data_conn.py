@@ -26,6 +26,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from kvtier.protocol.frames import (
     CHUNK,
@@ -51,6 +52,7 @@ from kvtier.protocol.frames import (
     parse_ref,
     parse_shm_ready,
 )
+from kvtier.protocol.session import GetReplyCollector
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 
 __all__ = ["DataConn"]
@@ -82,6 +84,7 @@ class DataConn:
         self.following = 0
         self._head_got = 0
         self.reused = False  # taken from the idle pool (the server may have closed it meanwhile)
+        self.ops: frozenset[str] = frozenset()  # optional requests its server named in WELCOME
         self.shm: memoryview | None = None  # this connection's shared segment, once mapped
         self._shm_map: mmap.mmap | None = None
         self.reader = FrameReader(limits, self._target)
@@ -229,6 +232,31 @@ class DataConn:
         if value_error is not None:
             raise value_error
         return results, None
+
+    def collect_reply(self, n: int, targets: Sequence[memoryview] | None, deadline: float,
+                      visit: Visit | None = None) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
+        """A GET reply frame by frame through :meth:`read` (TLS: no MSG_WAITALL): what
+        :meth:`read_reply` returns, and the same ValueError once the reply is drained."""
+        collector = GetReplyCollector(n, into=targets is not None)
+        results = collector.results
+        value_error: ValueError | None = None
+        while not collector.done:
+            self.following = n - len(results) - 1  # after this one, if not an ERROR
+            collector.accept(self.read(deadline))
+            last = results[-1] if results else None
+            i = len(results) - 1
+            if visit is not None and isinstance(last, (ShmRef, bytes)):
+                view = self.referenced(last) if isinstance(last, ShmRef) else memoryview(last)
+                visit(i, view)
+                results[i] = view.nbytes
+            elif isinstance(last, ShmRef):  # copy it out now, while the server fills the next
+                try:
+                    results[i] = self.resolve(last, targets[i] if targets is not None else None)
+                except ValueError as exc:  # the caller's buffer is too small: drain first
+                    value_error, results[i] = exc, "error"
+        if value_error is not None:
+            raise value_error
+        return cast(list[bytes | int | str], results), collector.error  # every ShmRef resolved above
 
     def _fill(self, view: memoryview, deadline: float) -> None:
         """Fill ``view`` (MSG_WAITALL; a short read re-arms the deadline and goes on)."""

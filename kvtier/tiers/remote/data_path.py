@@ -17,6 +17,9 @@ TCP; TLS copies once out of the reader's buffer); ``put`` sends header and the c
 buffer with one ``sendmsg``. Deadlines on plain TCP are SO_RCVTIMEO/SO_SNDTIMEO set to the
 time left before every frame, so a blocking ``MSG_WAITALL`` read still ends in time.
 
+Lookups: ``lookup`` asks a node that names LOOKUP in its WELCOME on a connection free now
+(never waiting behind chunk transfers); otherwise it returns None and the caller uses gRPC.
+
 This module holds the pool and the verbs (batching, retry on a stale pooled connection,
 errors mapped to :class:`~kvtier.tiers.remote.node.NodeError`); one connection's framing,
 deadlines and shared segment are :class:`~kvtier.tiers.remote.data_conn.DataConn`.
@@ -29,8 +32,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,20 +40,22 @@ from kvtier.protocol.frames import (
     ERROR as FRAME_ERROR,
 )
 from kvtier.protocol.frames import (
+    OP_LOOKUP,
     ProtocolError,
-    ShmRef,
     WireLimits,
     encode_get,
     encode_hello,
+    encode_lookup,
     encode_put,
     encode_put_ref,
+    parse_lookup_reply,
     parse_put_reply,
     parse_text,
     parse_welcome,
+    welcome_ops,
 )
-from kvtier.protocol.session import GetReplyCollector
 from kvtier.protocol.socket_io import send_all
-from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss
+from kvtier.tiers.base import ABSENT, ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe
 from kvtier.tiers.remote.data_conn import DataConn, Visit
 from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk
 from kvtier.tiers.remote.heap import retain_freed_blocks
@@ -102,7 +106,7 @@ class SocketDataPath:
             if frame.type == FRAME_ERROR:
                 code = _REQUEST_CODES.get(frame.header.count, "UNKNOWN")
                 raise NodeError(ERROR, f"data path {self.host}:{self.port}: {code}: {parse_text(frame)}", down=True, code=code)
-            parse_welcome(frame)
+            conn.ops = welcome_ops(parse_welcome(frame))
             if self.shm and not conn.open_shm(deadline):
                 self.shm = False
             return conn
@@ -114,8 +118,17 @@ class SocketDataPath:
             raise _io_error(exc, f"data path {self.host}:{self.port} handshake") from None
 
     def _checkout(self, deadline: float) -> DataConn:
+        """A connection for one request (idle or new), waiting for one within ``deadline``."""
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no free connection in time", down=False)
+        return self._take(deadline)
+
+    def _checkout_now(self, deadline: float) -> DataConn | None:
+        """A connection if one is free now (idle or new), else None: no wait."""
+        return self._take(deadline) if self._slots.acquire(blocking=False) else None
+
+    def _take(self, deadline: float) -> DataConn:
+        """With a slot held: an idle connection, or a new one (the slot is given back if that fails)."""
         with self._lock:
             if self._closed:
                 self._slots.release()
@@ -230,7 +243,7 @@ class SocketDataPath:
             conn.set_deadline(deadline)
             conn.targets = targets
             send_all(conn.sock, encode_get(keys))
-            read = conn.read_reply if not conn.tls else partial(self._collect, conn)  # TLS: no MSG_WAITALL
+            read = conn.read_reply if not conn.tls else conn.collect_reply  # TLS: no MSG_WAITALL
             try:
                 results, error = read(len(keys), targets, deadline, visit)
             except ValueError:  # a caller's buffer too small; the reply was drained
@@ -251,31 +264,45 @@ class SocketDataPath:
             raise ValueError(f"buffer of {targets[i].nbytes} bytes is too small for a {n}-byte chunk")
         return results
 
-    @staticmethod
-    def _collect(conn: DataConn, n: int, targets: Sequence[memoryview] | None, deadline: float,
-                 visit: Visit | None = None) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
-        """A GET reply frame by frame through :meth:`DataConn.read` (TLS): what
-        :meth:`DataConn.read_reply` returns, and the same ValueError once the reply is drained."""
-        collector = GetReplyCollector(n, into=targets is not None)
-        results = collector.results
-        value_error: ValueError | None = None
-        while not collector.done:
-            conn.following = n - len(results) - 1  # after this one, if not an ERROR
-            collector.accept(conn.read(deadline))
-            last = results[-1] if results else None
-            i = len(results) - 1
-            if visit is not None and isinstance(last, (ShmRef, bytes)):
-                view = conn.referenced(last) if isinstance(last, ShmRef) else memoryview(last)
-                visit(i, view)
-                results[i] = view.nbytes
-            elif isinstance(last, ShmRef):  # copy it out now, while the server fills the next
-                try:
-                    results[i] = conn.resolve(last, targets[i] if targets is not None else None)
-                except ValueError as exc:  # the caller's buffer is too small: drain first
-                    value_error, results[i] = exc, "error"
-        if value_error is not None:
-            raise value_error
-        return cast(list[bytes | int | str], results), collector.error  # every ShmRef resolved above
+    def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe | None:
+        """How many leading ``keys`` the node holds and why the run stopped, as the gRPC
+        ``Lookup`` answers (LOOKUP requests of at most ``max_batch_keys`` keys). None when the
+        node does not serve LOOKUP (an older server) or no connection is free now: a probe
+        never queues behind chunk transfers, the caller asks over gRPC instead."""
+        hits, step = 0, self.limits.max_batch_keys
+        for base in range(0, len(keys), step):
+            batch = keys[base : base + step]
+            reply = self._retry(self._lookup, batch, deadline)
+            if reply is None:
+                return None
+            if reply[0] < len(batch):
+                return Probe(hits + reply[0], reply[1] or ABSENT)
+            hits += reply[0]
+        return Probe(hits)
+
+    def _lookup(self, keys: Sequence[bytes], deadline: float) -> tuple[int, str] | None:
+        conn = self._checkout_now(deadline)
+        if conn is None:
+            return None
+        ok = False
+        try:
+            if OP_LOOKUP not in conn.ops:
+                ok = True
+                return None
+            conn.set_deadline(deadline)
+            send_all(conn.sock, encode_lookup(keys))
+            frame = conn.read(deadline)
+            ok = frame.type != FRAME_ERROR  # a refused LOOKUP is a protocol error: the server hangs up
+            if not ok:
+                raise _refused((frame.header.count, parse_text(frame)), f"data path {self.host}:{self.port} LOOKUP")
+            return parse_lookup_reply(frame, len(keys))
+        except (OSError, ProtocolError, ssl.SSLError) as exc:
+            ok = False
+            if conn.reused and isinstance(exc, ConnectionError):
+                raise _Stale from None
+            raise _io_error(exc, f"data path {self.host}:{self.port} LOOKUP") from None
+        finally:
+            self._checkin(conn, ok)
 
     def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         out: list[bool] = []

@@ -17,25 +17,22 @@ open/close state change under a lock.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from kvtier.config import GrpcTierConfig
-from kvtier.errors import TierUnavailableError
 from kvtier.protocol.addresses import is_loopback
 from kvtier.protocol.frames import WireLimits
 from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe, copy_into
+from kvtier.tiers.remote.channel import channel_options, client_ssl_context
 from kvtier.tiers.remote.data_path import SocketDataPath
 from kvtier.tiers.remote.errors import REFUSALS, REQUEST_ERRORS, NodeError, check_chunk
 
@@ -44,6 +41,8 @@ B = TypeVar("B", bytes, memoryview)
 R = TypeVar("R")
 _DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long
 _PUT_MESSAGE_BYTES = 8 << 20  # chunks per PutRequest message, by bytes (bigger: more latency)
+
+
 def rpc_error(exc: grpc.RpcError, what: str) -> NodeError:
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
@@ -55,61 +54,6 @@ def rpc_error(exc: grpc.RpcError, what: str) -> NodeError:
     if code == grpc.StatusCode.UNAVAILABLE:
         return NodeError(NODE_DOWN, message, down=True, code=code.name)
     return NodeError(ERROR, message, down=True, code=code.name if code else "UNKNOWN")
-
-
-def read_token(cfg: GrpcTierConfig) -> str:
-    if cfg.token:
-        return cfg.token
-    if cfg.token_file:
-        try:
-            return Path(cfg.token_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise TierUnavailableError(f"grpc tier: token_file {cfg.token_file}: {exc.strerror}") from exc
-    return ""
-
-
-def channel_credentials(cfg: GrpcTierConfig) -> grpc.ChannelCredentials | None:
-    if not (cfg.tls or cfg.tls_ca):
-        return None
-    try:
-        def read(p: str) -> bytes | None:
-            return Path(p).expanduser().read_bytes() if p else None
-        return grpc.ssl_channel_credentials(read(cfg.tls_ca), read(cfg.tls_key), read(cfg.tls_cert))
-    except OSError as exc:
-        raise TierUnavailableError(f"grpc tier: TLS file: {exc}") from exc
-
-
-
-def client_ssl_context(cfg: GrpcTierConfig) -> ssl.SSLContext:
-    """TLS for the data path, from the same files as the channel credentials."""
-    try:
-        ctx = ssl.create_default_context(cafile=os.path.expanduser(cfg.tls_ca) if cfg.tls_ca else None)
-        if cfg.tls_cert:
-            ctx.load_cert_chain(os.path.expanduser(cfg.tls_cert), os.path.expanduser(cfg.tls_key))
-    except (OSError, ssl.SSLError) as exc:
-        raise TierUnavailableError(f"grpc tier: TLS files: {exc}") from exc
-    return ctx
-
-
-def channel_options(cfg: GrpcTierConfig) -> list[tuple[str, Any]]:
-    backoff_ms = int(min(cfg.backoff_s, cfg.backoff_max_s) * 1000)
-    opts: list[tuple[str, Any]] = [
-        ("grpc.max_send_message_length", cfg.max_message_bytes),
-        ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        # Chunks are MiBs: a 16 MiB stream window and large frames keep the pipe full.
-        ("grpc.http2.lookahead_bytes", 16 << 20),
-        ("grpc.http2.max_frame_size", (1 << 24) - 1),
-        ("grpc.http2.write_buffer_size", 8 << 20),
-        # The tier does its own failover and backoff; grpc's reconnect backoff (up to 120 s by
-        # default) would keep a restarted node unreachable long after it is back.
-        ("grpc.enable_retries", 0),
-        ("grpc.initial_reconnect_backoff_ms", max(backoff_ms, 50)),
-        ("grpc.min_reconnect_backoff_ms", max(backoff_ms, 50)),
-        ("grpc.max_reconnect_backoff_ms", max(int(cfg.backoff_max_s * 1000), 100)),
-    ]
-    if cfg.tls_server_name:
-        opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
-    return opts
 
 
 class NodeClient:
@@ -267,6 +211,13 @@ class NodeClient:
         log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
 
     def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
+        """Leading ``keys`` present: over the data path when the node serves LOOKUP there and a
+        connection is free (a fraction of a gRPC call's fixed cost), else over gRPC. The data
+        path failing falls back as a GET does (:meth:`_fast_or_grpc`)."""
+        probe = self._fast_or_grpc(deadline, lambda data: data.lookup(keys, deadline), lambda: None)
+        return probe if probe is not None else self.grpc_lookup(keys, deadline)
+
+    def grpc_lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
         try:
             # The blocking call, not lookup_future().result(): a future starts a channel spin
             # thread per call (a thread start, milliseconds on a loaded host, per probe).

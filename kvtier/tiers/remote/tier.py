@@ -54,11 +54,12 @@ from kvtier.tiers.base import (
     TierUsage,
     check_keys,
 )
+from kvtier.tiers.remote.channel import channel_credentials, read_token
 from kvtier.tiers.remote.cluster import Cluster, ClusterView
 from kvtier.tiers.remote.errors import NodeError
 from kvtier.tiers.remote.hedged import read_hedged
 from kvtier.tiers.remote.membership import Resolver, resolver_for, static_resolver
-from kvtier.tiers.remote.node import NodeClient, channel_credentials, read_token
+from kvtier.tiers.remote.node import NodeClient
 from kvtier.tiers.remote.placement import place, probe_waves
 from kvtier.tiers.remote.prefix import Prefix, PrefixVerbs
 
