@@ -32,6 +32,11 @@ def test_demo_defaults_reuse_the_prefix_in_a_fresh_process() -> None:
     for key in ("ttft_cold_s", "ttft_warm_s", "speedup"):
         assert isinstance(report[key], float) and report[key] > 0
     assert report["processes"][0] != report["processes"][1]  # the warm run is another process
+    # The restore-vs-read figure: 5 back-to-back (restore, read) pairs from the serving tier.
+    assert len(report["restore_vs_tier_read_pairs"]) == 5
+    assert all(r > 0 for r in report["restore_vs_tier_read_pairs"])
+    assert report["restore_vs_tier_read"] == sorted(report["restore_vs_tier_read_pairs"])[2]
+    assert report["restore_gbps"] > 0 and report["tier_read_gbps"] > 0
     assert "outputs identical:     yes" in text and "time to first token" in text
 
 
@@ -46,6 +51,7 @@ def test_demo_through_a_kvtier_server(tmp_path: Path) -> None:
     assert report["tiers"] == ["cpu", "grpc"]
     # The warm process has a fresh cpu tier: every chunk came from the server.
     assert report["hits_per_tier"] == {"grpc": 9}
+    assert len(report["restore_vs_tier_read_pairs"]) == 5  # each restore re-read the server
     assert report["prefill_tokens_saved"] == 512 + 64 - 1
 
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.chunk import page_aligned_buffer
 from kvtier.config import CpuTierConfig, DiskTierConfig, GrpcTierConfig, KVTierConfig, MiB
+from kvtier_hf.read_limit import RestorePairs, measure_pairs, serving_tier
 
 log = logging.getLogger(__name__)
 
 PHASE_TIMEOUT_S = 600.0
+RESTORE_PAIRS = 5  # (restore, read) pairs after the warm phase's generate (read_limit.py)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class PhaseResult:
     model: str
     tiers: list[str]
     restore_bytes: int = 0  # chunk bytes the restore read
-    tier_read_gbps: float = 0.0  # the serving tier's own get_into of the same chunks, same run
+    # (restore, read) pairs after the timed generate (read_limit.py): GB/s of each side
+    pair_restore_gbps: list[float] = field(default_factory=list)
+    pair_read_gbps: list[float] = field(default_factory=list)
     pid: int = field(default_factory=os.getpid)
 
     @classmethod
@@ -112,6 +116,18 @@ class DemoReport:
         return w.restore_bytes / w.restore_s / 1e9 if w.restore_s > 0 else 0.0
 
     @property
+    def pairs(self) -> RestorePairs:
+        w = self.warm
+        tier = serving_tier(w.hits_per_tier) if w.hits_per_tier else ""
+        return RestorePairs(tier, tuple(w.pair_restore_gbps), tuple(w.pair_read_gbps))
+
+    @property
+    def tier_read_gbps(self) -> float:
+        """The serving tier's own read of the restored chunks, median of the pairs' reads."""
+        reads = self.warm.pair_read_gbps
+        return statistics.median(reads) if reads else 0.0
+
+    @property
     def speedup(self) -> float:
         return self.cold.ttft_s / self.warm.ttft_s if self.warm.ttft_s > 0 else float("inf")
 
@@ -129,9 +145,11 @@ class DemoReport:
             "saved_chunks_cold": self.cold.saved_chunks,
             "restore_warm_s": round(self.warm.restore_s, 4),
             "restore_gbps": round(self.restore_gbps, 3),
-            "tier_read_gbps": round(self.warm.tier_read_gbps, 3),
-            "restore_vs_tier_read": (round(self.restore_gbps / self.warm.tier_read_gbps, 3)
-                                     if self.warm.tier_read_gbps > 0 else None),
+            "tier_read_gbps": round(self.tier_read_gbps, 3),
+            "restore_vs_tier_read": round(self.pairs.ratio, 3) if self.pairs.ratios else None,
+            "restore_vs_tier_read_pairs": [round(r, 3) for r in self.pairs.ratios],
+            "first_restore_vs_tier_read": (round(self.restore_gbps / self.tier_read_gbps, 3)
+                                           if self.tier_read_gbps > 0 else None),
             "new_tokens": len(self.warm.tokens),
             "tokens_cold": self.cold.tokens,
             "tokens_warm": self.warm.tokens,
@@ -181,7 +199,8 @@ def run_phase(opts: DemoOptions, phase: str) -> PhaseResult:
         log.info("[%s] generating: prompt of %d tokens, %d new tokens (tiers: %s)", phase,
                  len(prompt), opts.new_tokens, " -> ".join(tiers))
         res = hf.generate(prompt, opts.new_tokens)
-        read_gbps = tier_read_gbps(hf, prompt, res) if res.restored_tokens else 0.0
+        pairs = (measure_pairs(hf, prompt, dict(res.hits_per_tier), RESTORE_PAIRS)
+                 if res.restored_tokens else None)
         log.info("[%s] restored %d tokens (chunks per tier: %s), prefilled %d, TTFT %.3f s; "
                  "flushing the store", phase, res.restored_tokens, res.hits_per_tier or "none",
                  res.prefilled_tokens, res.ttft_s)
@@ -193,32 +212,8 @@ def run_phase(opts: DemoOptions, phase: str) -> PhaseResult:
     return PhaseResult(phase, list(res.tokens), res.prompt_tokens, res.restored_tokens,
                        res.prefilled_tokens, res.saved_chunks, dict(res.hits_per_tier), res.ttft_s,
                        res.restore_s, res.prefill_s, res.decode_s, setup_s, model_desc, tiers,
-                       res.restore_bytes, read_gbps)
-
-
-def tier_read_gbps(hf: Any, prompt: Sequence[int], res: Any, reps: int = 3) -> float:
-    """The read limit the restore is measured against, in the same process and run: the tier
-    that served most restored chunks reads the same chunks with its own ``get_into`` into
-    preallocated page-aligned buffers (for the disk tier: O_DIRECT reads in place), with no
-    verification, copy into the cache or promotion. Median GB/s of ``reps`` passes."""
-    from kvtier_hf.restore import buffer_bytes
-
-    cache = hf.prefix_cache
-    name = max(res.hits_per_tier, key=res.hits_per_tier.get)
-    tier = next(t for t in cache.store.tiers if t.name == name)
-    # The chunks the restore read: the first n chunks of the prompt, the last of them possibly
-    # the prompt's partial chunk (keys of prompt[:restored_tokens] would name a partial chunk
-    # one token shorter, which is not stored: a miss, not a read).
-    keys = cache.keys(prompt)[: sum(res.hits_per_tier.values())]
-    size = buffer_bytes(cache)
-    outs = [page_aligned_buffer(size) for _ in keys]
-    rates = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        got = tier.get_into(keys, outs)
-        dt = time.perf_counter() - t0
-        rates.append(sum(n for n in got if isinstance(n, int)) / dt / 1e9)
-    return sorted(rates)[len(rates) // 2]
+                       res.restore_bytes, list(pairs.restore_gbps) if pairs else [],
+                       list(pairs.read_gbps) if pairs else [])
 
 
 def _run_phase_subprocess(opts: DemoOptions, phase: str, flags: Sequence[str] = ()) -> PhaseResult:
@@ -265,7 +260,10 @@ def format_report(report: DemoReport) -> str:
         f"{'time to first token':24}{c.ttft_s:>20.3f} s{w.ttft_s:>20.3f} s",
         f"{'  of which restore':24}{c.restore_s:>20.3f} s{w.restore_s:>20.3f} s",
         (f"{'  restore rate':24}{'':>22}{report.restore_gbps:>18.2f} GB/s  "
-         f"(the serving tier's own read: {w.tier_read_gbps:.2f} GB/s)"),
+         f"(the serving tier's own read: {report.tier_read_gbps:.2f} GB/s)"),
+        (f"{'  restore / tier read':24}{'':>22}{report.pairs.ratio:>18.2f}     "
+         f"(median of {len(report.pairs.ratios)} back-to-back pairs: "
+         f"{', '.join(f'{r:.2f}' for r in report.pairs.ratios)})"),
         f"{'tokens prefilled':24}{c.prefilled_tokens:>22}{w.prefilled_tokens:>22}",
         f"{'tokens restored':24}{c.restored_tokens:>22}{w.restored_tokens:>22}",
         f"{'chunks saved':24}{c.saved_chunks:>22}{w.saved_chunks:>22}",
