@@ -252,9 +252,7 @@ class SocketDataPath:
             ok = True
             overflow, conn.overflow = conn.overflow, {}
         except (OSError, ProtocolError, ssl.SSLError) as exc:
-            if conn.reused and isinstance(exc, ConnectionError):
-                raise _Stale from None
-            raise _io_error(exc, f"data path {self.host}:{self.port} GET") from None
+            raise _failure(conn.reused, exc, f"data path {self.host}:{self.port} GET") from None
         finally:
             self._checkin(conn, ok)
         if error is not None:
@@ -298,9 +296,7 @@ class SocketDataPath:
             return parse_lookup_reply(frame, len(keys))
         except (OSError, ProtocolError, ssl.SSLError) as exc:
             ok = False
-            if conn.reused and isinstance(exc, ConnectionError):
-                raise _Stale from None
-            raise _io_error(exc, f"data path {self.host}:{self.port} LOOKUP") from None
+            raise _failure(conn.reused, exc, f"data path {self.host}:{self.port} LOOKUP") from None
         finally:
             self._checkin(conn, ok)
 
@@ -342,9 +338,7 @@ class SocketDataPath:
             return parse_put_reply(frame, len(entries))
         except (OSError, ProtocolError, ssl.SSLError) as exc:
             ok = False
-            if conn.reused and isinstance(exc, ConnectionError):
-                raise _Stale from None
-            raise _io_error(exc, f"data path {self.host}:{self.port} PUT") from None
+            raise _failure(conn.reused, exc, f"data path {self.host}:{self.port} PUT") from None
         finally:
             self._checkin(conn, ok)
 
@@ -382,6 +376,14 @@ class SocketDataPath:
 
 class _Stale(Exception):
     """A connection from the idle pool turned out closed by the peer."""
+
+
+def _failure(reused: bool, exc: BaseException, what: str) -> Exception:
+    """What a request's I/O failure means: a reused idle connection the peer had closed is
+    stale (retried once on a fresh one); anything else is :func:`_io_error`."""
+    if reused and isinstance(exc, ConnectionError):
+        return _Stale()
+    return _io_error(exc, what)
 
 
 def _io_error(exc: BaseException, what: str) -> NodeError:
