@@ -31,6 +31,12 @@ class GetReplier:
         self.metrics = metrics
         # Keys leased together for one sendmsg: about SEND_BATCH_BYTES of RAM slots.
         self.lease_keys = max(1, SEND_BATCH_BYTES // max(1, slot_bytes))
+        # The labelled series every GET updates, looked up once (labels() takes a lock and
+        # builds a key per call): the same series, the same counts.
+        self._ok = metrics.requests.labels("data.Get", "OK")
+        self._seconds = metrics.seconds.labels("data.Get")
+        self._out_socket = metrics.bytes.labels("out", "socket")
+        self._out_shm = metrics.bytes.labels("out", "shm")
 
     def send(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
              shm: memoryview | None) -> None:
@@ -40,8 +46,8 @@ class GetReplier:
         offset = 0
         for group in range(0, len(keys), self.lease_keys):
             offset = self._send_group(conn, store, keys, group, scratch, shm, offset)
-        self.metrics.requests.labels("data.Get", "OK").inc()
-        self.metrics.seconds.labels("data.Get").observe(time.perf_counter() - start)
+        self._ok.inc()
+        self._seconds.observe(time.perf_counter() - start)
 
     def _send_group(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], base: int,
                     scratch: memoryview, shm: memoryview | None, offset: int) -> int:
@@ -77,8 +83,10 @@ class GetReplier:
                 sent += self._send_read(conn, store, key, i, scratch)
             if parts:
                 send_all(conn, parts)
-        self.metrics.bytes.labels("out", "socket").inc(sent)
-        self.metrics.bytes.labels("out", "shm").inc(shared)
+        if sent:  # (adding 0 changes nothing)
+            self._out_socket.inc(sent)
+        if shared:
+            self._out_shm.inc(shared)
         return offset
 
     @staticmethod

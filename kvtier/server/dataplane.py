@@ -145,6 +145,9 @@ class DataPlane:
         self.tls = tls
         self.max_connections = max_connections
         self.replier = GetReplier(metrics, storage.slot_bytes())
+        # Series every PUT item updates, looked up once (as GetReplier does).
+        self._bytes_in = {path: metrics.bytes.labels("in", path) for path in ("socket", "shm")}
+        self._put_ok = metrics.requests.labels("data.Put", "OK")
         self.shm_bytes = shm_bytes if shm_segment.AVAILABLE else 0
         self.admission = Admission(max_connections, max_unauthenticated, handshake_s, max_per_tenant)
         self._listener: socket.socket | None = None
@@ -351,7 +354,7 @@ class DataPlane:
         if ok and new:
             batch.new_keys.append(item.key)
         batch.flags.append(ok)
-        self.metrics.bytes.labels("in", path).inc(chunk.nbytes)
+        self._bytes_in[path].inc(chunk.nbytes)
 
     @staticmethod
     def _undo(store: TenantStore, batch: _Batch) -> None:
@@ -361,7 +364,7 @@ class DataPlane:
 
     def _reply_put(self, sock: socket.socket, store: TenantStore, batch: _Batch) -> None:
         error = batch.error
-        self.metrics.requests.labels("data.Put", "OK" if error is None else error.code.name).inc()
+        (self._put_ok if error is None else self.metrics.requests.labels("data.Put", error.code.name)).inc()
         if error is not None:
             self._undo(store, batch)
             send_all(sock, encode_error(error.code.value[0], error.message))

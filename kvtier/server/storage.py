@@ -147,10 +147,11 @@ class TenantStore:
             yield [None] * len(keys)
             return
         with self.ram.leased_many(keys) as views:
-            hits = [v for v in views if not isinstance(v, Miss)]
-            if hits:
-                self._count_get(len(hits), hits, [v.nbytes for v in hits])
-            yield [None if isinstance(v, Miss) else v for v in views]
+            found = [None if isinstance(v, Miss) else v for v in views]
+            hits = [v.nbytes for v in found if v is not None]
+            if hits:  # what _count_get counts for hits only, without its Counters
+                self.traffic.count_hits(self.ram.name, len(hits), sum(hits))
+            yield found
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         """Chunks copied into ``outs`` (no allocation); a disk hit is promoted into RAM.

@@ -51,6 +51,12 @@ class Traffic:
             self.get_misses.update(m.reason for m in misses)
             self.bytes_out += nbytes
 
+    def count_hits(self, tier: str, chunks: int, nbytes: int) -> None:
+        """:meth:`get` of ``chunks`` hits (> 0), all in ``tier``, and no miss."""
+        with self._lock:
+            self.get_hits[tier] += chunks
+            self.bytes_out += nbytes
+
     def put(self, stored_bytes: int, refused: int) -> None:
         with self._lock:
             self.bytes_in += stored_bytes
