@@ -17,8 +17,9 @@ the order alternating from pair to pair, and the figure is the median of the per
   of all 25: 1.26; in another the restore at depth 2 read twice as fast as depth 4), so the
   limit is the best of both, measured each time.
 
-Failure: a restore that does not take every chunk from the serving tier invalidates the
-measurement (RuntimeError naming what it got); store trouble is not retried.
+Failure: a restore that does not take every chunk from the serving tier, or a plain read that
+misses one, invalidates the measurement (RuntimeError naming what it got); store trouble is not
+retried.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.chunk import page_aligned_buffer
+from kvtier.tiers.base import Miss
 
 READ_DEPTH = 4  # reader threads of the plain read (see the module docstring)
 
@@ -82,9 +84,15 @@ def measure_pairs(hf: Any, prompt: Sequence[int], hits_per_tier: dict[str, int],
                                f"not all {n} from {name}: the pair measurement is void")
         return float(got.nbytes / got.seconds / 1e9)
 
+    def nbytes(got: Sequence[int | Miss]) -> int:
+        misses = [g for g in got if isinstance(g, Miss)]
+        if misses:  # a read that skipped chunks would look slow and flatter the restore
+            raise RuntimeError(f"the plain read of {name} missed {len(misses)} chunk(s) "
+                               f"({misses[0].reason}): the pair measurement is void")
+        return sum(g for g in got if isinstance(g, int))
+
     def read_one(i: int) -> int:
-        got = tiers[level].get_into(keys[i:i + 1], outs[i:i + 1])[0]
-        return got if isinstance(got, int) else 0
+        return nbytes(tiers[level].get_into(keys[i:i + 1], outs[i:i + 1]))
 
     def timed(run: Callable[[], int]) -> float:
         t0 = time.perf_counter()
@@ -93,7 +101,7 @@ def measure_pairs(hf: Any, prompt: Sequence[int], hits_per_tier: dict[str, int],
 
     def read() -> float:
         parallel = timed(lambda: sum(pool.map(read_one, range(len(keys)))))
-        whole = timed(lambda: sum(x for x in tiers[level].get_into(keys, outs) if isinstance(x, int)))
+        whole = timed(lambda: nbytes(tiers[level].get_into(keys, outs)))
         return max(parallel, whole)
 
     pool = ThreadPoolExecutor(max_workers=READ_DEPTH, thread_name_prefix="kvtier-read-limit")
