@@ -4,18 +4,26 @@ machine's loopback socket, and what an inter-process memcpy through shared memor
 One server process (``python bench/remote.py --tcp-server PORTFILE`` runs :func:`serve`),
 built the way kvtier's data plane is (``kvtier/server/dataplane.py``): a blocking thread per
 connection (it releases the GIL in ``recv_into``/``sendmsg``), bodies read with ``recv_into``
-straight into one buffer per connection, replies sent with ``sendmsg`` from a buffer made at
+and ``MSG_WAITALL`` (at both ends, as kvtier's data path reads: one call per body, which
+measured 1.3-1.5x the plain per-segment loop here) straight into one buffer per connection, replies sent with ``sendmsg`` from a buffer made at
 start, nothing allocated per operation. It is a source/sink, not a store: it keeps no index,
 checks nothing and copies nothing it does not have to, so it bounds what any socket server
 written in Python can move here. Requests are a 9-byte header ``<op:1><n:u64>``:
 
-- ``P`` n: the next n bytes are a put body (read 1 MiB at a time into the same window of
-  the connection's sink, so the bytes stay in cache as they do for the asyncio sink); reply ``k``.
-- ``G`` n: reply with n bytes of payload.
+- ``P`` n: the next n bytes are a put body, read into the connection's own sink (n distinct
+  bytes of memory per connection, as a store keeps what each client puts); reply ``k``.
+- ``G`` n: reply with the first n bytes of the connection's own source (random bytes written
+  at connect: each connection reads distinct memory, as each kvtier client reads its own keys).
+- ``Q`` n / ``H`` n: the same with the old cache-hot buffers: a put body lands 1 MiB at a time
+  in one reused window, and every connection's get sends the same shared payload. With 4
+  clients that is 8 MiB of source for all of them against the 32 MiB of distinct values kvtier
+  serves: it can stay in a last-level cache where a store's working set does not, so these
+  measure the socket with less memory traffic (``*_vs_tcp_hot`` keys).
 - ``M`` n: the next n bytes name a /dev/shm file the client made; map it for this connection.
 - ``p`` n: copy n bytes from the mapped segment into the sink (the server's half of a put
   through shared memory); reply ``k``.
-- ``g`` n: copy n bytes of payload into the mapped segment (the server's half of a get); reply ``k``.
+- ``g`` n: copy n bytes of the connection's source into the mapped segment (the server's half
+  of a get); reply ``k``.
 
 The same process also runs the old baseline on a second port: a single-threaded asyncio
 source/sink (``tcp-asyncio``: one core for every client, and ``transport.write`` copies the
@@ -47,10 +55,12 @@ WINDOW = 1 << 20  # a put body lands here piece by piece: the sink keeps nothing
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` with ``recv_into``; False on a clean EOF before the first byte."""
+    """Fill ``view`` with ``recv_into``, ``MSG_WAITALL`` as kvtier's data path reads (one call
+    per body rather than one per segment the kernel holds); False on a clean EOF before the
+    first byte."""
     got = 0
     while got < view.nbytes:
-        n = conn.recv_into(view[got:])
+        n = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if n == 0:
             if got:
                 raise ConnectionError("peer closed mid-message")
@@ -66,9 +76,11 @@ def _send_exact(conn: socket.socket, view: memoryview) -> None:
 
 
 def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
-    """One connection's thread: every buffer it uses is made here, once."""
+    """One connection's thread: every buffer it uses is made here, once (``payload`` is the
+    shared cache-hot source of ``H``)."""
     head = memoryview(bytearray(HEAD.size))
     sink = memoryview(bytearray(MAX_BODY))
+    source = memoryview(os.urandom(MAX_BODY))  # written, so not the kernel's shared zero page
     name = memoryview(bytearray(256))
     ack = memoryview(b"k")
     seg: mmap.mmap | None = None
@@ -78,15 +90,18 @@ def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
             op, n = HEAD.unpack(head)
             if n > MAX_BODY:
                 raise ValueError(f"body of {n} bytes over {MAX_BODY}")
-            if op == b"P":  # into a 1 MiB window reused, as the asyncio sink does: cache-hot
+            if op == b"P":
+                _recv_exact(conn, sink[:n])
+                _send_exact(conn, ack)
+            elif op == b"Q":  # into a 1 MiB window reused, as the asyncio sink does: cache-hot
                 left = n
                 while left:
                     take = min(left, WINDOW)
                     _recv_exact(conn, sink[:take])
                     left -= take
                 _send_exact(conn, ack)
-            elif op == b"G":
-                _send_exact(conn, payload[:n])
+            elif op in (b"G", b"H"):
+                _send_exact(conn, (source if op == b"G" else payload)[:n])
             elif op == b"M":
                 _recv_exact(conn, name[:n])
                 fd = os.open(bytes(name[:n]).decode(), os.O_RDWR)
@@ -100,7 +115,7 @@ def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
                 if op == b"p":
                     sink[:n] = segv[:n]
                 else:
-                    segv[:n] = payload[:n]
+                    segv[:n] = source[:n]
                 _send_exact(conn, ack)
             else:
                 raise ValueError(f"unknown op {op!r}")
@@ -183,15 +198,16 @@ class LoopbackClient:
     """One connection to :func:`serve` moving one batch of ``values`` per call; every buffer
     (the receive buffer, the shared segment) is allocated here, once."""
 
-    def __init__(self, port: int, values: Sequence[bytes]) -> None:
+    def __init__(self, port: int, values: Sequence[bytes], hot: bool = False) -> None:
         self.values = [memoryview(v) for v in values]
         self.nbytes = sum(v.nbytes for v in self.values)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.recv_buf = memoryview(bytearray(self.nbytes))
         self.ack = memoryview(bytearray(1))
-        self.put_head = HEAD.pack(b"P", self.nbytes)
-        self.get_head = HEAD.pack(b"G", self.nbytes)
+        # hot: the old cache-hot sink window and shared source (``Q``/``H``; see the module doc)
+        self.put_head = HEAD.pack(b"Q" if hot else b"P", self.nbytes)
+        self.get_head = HEAD.pack(b"H" if hot else b"G", self.nbytes)
         self.memcpy_put_head = HEAD.pack(b"p", self.nbytes)
         self.memcpy_get_head = HEAD.pack(b"g", self.nbytes)
         self.seg: mmap.mmap | None = None

@@ -24,6 +24,10 @@ includes the fresh ``bytes`` kvtier's ``get`` allocates; ``socket_get_into_vs_tc
 ``get_vs_redis`` ... measured (the client's default path on loopback is shm, whose bytes never
 cross a socket): kept, named for what they compare; ``*_vs_tcp_asyncio`` and
 ``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view.
+The ceilings serve each connection its own memory, as a store serves each client its own
+values (4 clients read 32 MiB of distinct bytes), and read with ``MSG_WAITALL`` as kvtier does;
+``*_vs_tcp_hot`` and ``tcp_hot_*_vs_tcp`` keep the earlier ceiling in view, whose one shared
+8 MiB source and 1 MiB sink window stay cache-hot (bench/_loopback.py).
 ``socket_{get,put}_vs_lmcache`` and ``shm_get_vs_lmcache`` compare with LMCache's ``lm://``
 server driven by the same workers (pipelined GETs into preallocated buffers;
 bench/peer_lmcache.py), skipped with a message when lmcache is not installed (not a CI
@@ -102,7 +106,7 @@ class _Client:
             self.outs = [memoryview(bytearray(len(v))) for v in self.values]
         else:  # "tcp" (the socket ceiling) or "memcpy" (the shared-memory ceiling)
             port = addr["tcp"][1 if path == "asyncio" else 0]
-            self.loop = LoopbackClient(port, self.values)
+            self.loop = LoopbackClient(port, self.values, hot=path == "hot")
 
     def put(self) -> None:
         if self.system == "kvtier":
@@ -220,7 +224,8 @@ def run_plan(quick: bool, tuned: bool, lmcache: bool = False) -> dict[tuple[str,
     base += [("redis", "tuned", op) for op in ("put", "get")] if tuned else []
     extra = [("kvtier", "shm", "get_into"), ("kvtier", "socket", "get_into"), ("kvtier", "grpc", "put"),
              ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
-             ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get")]
+             ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get"),
+             ("tcp", "hot", "put"), ("tcp", "hot", "get")]
     extra += [("lmcache", "-", "put"), ("lmcache", "-", "get")] if lmcache else []
     plan = {}
     for size_name in SIZES:
@@ -333,6 +338,12 @@ def main() -> None:
         "shm_put_vs_tcp_asyncio": ("kvtier-shm put", "tcp-asyncio put"),
         "socket_get_vs_tcp_asyncio": ("kvtier-socket get", "tcp-asyncio get"),
         "socket_put_vs_tcp_asyncio": ("kvtier-socket put", "tcp-asyncio put"),
+        # against the ceiling as it was before it served each connection distinct memory:
+        # one cache-hot source and sink window for all (bench/_loopback.py ``H``/``Q``)
+        "socket_get_vs_tcp_hot": ("kvtier-socket get", "tcp-hot get"),
+        "socket_put_vs_tcp_hot": ("kvtier-socket put", "tcp-hot put"),
+        "tcp_hot_get_vs_tcp": ("tcp-hot get", "tcp get"),
+        "tcp_hot_put_vs_tcp": ("tcp-hot put", "tcp put"),
         "grpc_get_vs_redis_tuned": ("kvtier-grpc get", "redis-tuned get"),
         "grpc_put_vs_redis_tuned": ("kvtier-grpc put", "redis-tuned put"),
         "redis_tuned_get_vs_tcp": ("redis-tuned get", "tcp get"),
