@@ -32,6 +32,14 @@ values (4 clients read 32 MiB of distinct bytes), and read with ``MSG_WAITALL`` 
 server driven by the same workers (pipelined GETs into preallocated buffers;
 bench/peer_lmcache.py), skipped with a message when lmcache is not installed (not a CI
 dependency). ``gbps`` holds every raw figure.
+
+Lookup latency (bench/_lookup_latency.py), first, before any worker starts: single probes of
+16 stored 1 MiB chunks, ``--lookup-calls`` each (2000; 500 with --quick), per path:
+``lookup_us_grpc`` (the gRPC Lookup RPC), ``lookup_us_data_path`` (a LOOKUP frame on the data
+port), ``lookup_us_client`` (``GrpcTier.probe`` as a connector calls it) and
+``lookup_us_client_grpc`` (the same with ``data_path="grpc"``), each {"min","median","max"}
+in µs; ``lookup_data_path_vs_grpc`` and ``lookup_client_vs_client_grpc`` are median ratios
+(below 1: the data path is faster).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
+from _lookup_latency import PATHS, measure_lookups, summary
 from _loopback import LoopbackClient, serve
 from _stats import Stats, fmt
 
@@ -242,6 +251,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None, help="measuring window per figure")
     ap.add_argument("--no-redis-tier", action="store_true",
                     help="skip bench/remote_redis.py's figures (the redis tier vs raw redis-py)")
+    ap.add_argument("--lookup-calls", type=int, default=None,
+                    help="probes timed per lookup path (default 2000, 500 with --quick)")
     ap.add_argument("--tcp-server", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tcp_server:
@@ -271,6 +282,10 @@ def main() -> None:
         data = probe.nodes[0].data
         default_path = data.kind if data is not None else "grpc"
         probe.close()
+        lookup_calls = args.lookup_calls or (500 if args.quick else 2000)
+        lookups = measure_lookups(kv_addr, lookup_calls)
+        for path in PATHS:
+            print(f"lookup 16 keys {path:27s} {fmt(lookups[path], 'us', 0)}", flush=True)
         addr = {"kvtier": kv_addr, "redis": rs.port, "tcp": tcp_port}
         if lm_python is not None:
             lm_proc, addr["lmcache"] = start_server(lm_python)
@@ -357,6 +372,7 @@ def main() -> None:
     out: dict[str, Any] = {key: ratio(a + at, b + at) for key, (a, b) in pairs.items()}
     out.update({
         "default_data_path": default_path, "quick": args.quick, "reps": reps, "window_s": seconds,
+        **summary(lookups),
         "gbps": {k: {"min": Stats.of(v).min, "median": Stats.of(v).median, "max": Stats.of(v).max}
                  for k, v in results.items()},
     })
