@@ -5,8 +5,11 @@ tier's per-call cost, an async load's extra engine steps, per-chunk Python) and 
 Long prefixes hide the first; on a GPU, where prefill is fast, it dominates. Here each figure is
 a prompt whose only hit is one kvtier chunk, timed like ``Bench.warm``: save the chunk, time a
 new question while vLLM's own prefix cache holds it (the floor), reset that cache, time another
-question (now restored by kvtier). ``restore_fixed_ms_<tier>`` = median(warm) - median(floor), in
-milliseconds, both measured in the same engine and minute.
+question (now restored by kvtier). ``restore_fixed_ms_<tier>`` = the median over the pairs of
+warm - floor, in milliseconds: each warm TTFT is paired with the floor taken just before it, in
+the same engine and second, so the machine's load drift cancels within a pair. (A difference
+of two medians, taken over minutes, went negative on this 2-core machine: the few ms sought
+are smaller than the drift.)
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from bench._stats import median
+from bench._stats import Stats
 
 CHUNK = 256  # the bench engines' chunk_tokens (kvtier's default)
 
@@ -53,5 +56,6 @@ def one_chunk_restores(b: _Bench, rep: Any, tier: str, settle: Callable[[int], N
     return warm, floor
 
 
-def fixed_ms(warm: list[float], floor: list[float]) -> float:
-    return 1e3 * (median(warm) - median(floor))
+def fixed_ms(warm: list[float], floor: list[float]) -> Stats:
+    """min/median/max over the (warm, floor) pairs of warm - floor, in ms."""
+    return Stats.of([1e3 * (w - f) for w, f in zip(warm, floor, strict=True)])

@@ -22,7 +22,8 @@ alone (bench/_e2e_save.py), to measure a change of the save path in a few minute
     save_throughput_ratio_remote  the same, saving into a kvtier-server only (grpc tier)
     restore_fixed_ms_local / _remote  the fixed cost of one restore: TTFT of a prompt whose only
                          hit is one chunk in the cpu tier / the kvtier-server, minus the same
-                         with vLLM's prefix cache holding it, in ms (median; bench/_e2e_fixed.py)
+                         with vLLM's prefix cache holding it, in ms (median of the paired
+                         differences; min/median/max in restore_fixed_ms_pairs; bench/_e2e_fixed.py)
     batch_save_overhead, batch_warm_speedup  a concurrent prefix-heavy batch (bench/_e2e_batch.py)
 
 Each save ratio is taken against the plain engine measured in the same phase: --tput-reps
@@ -205,7 +206,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # minute as the warm figure; the plain engine's floor is reported alongside.
     suffix = median(floor_remote) if floor_remote else median(floor_cpu)
     for tier, (w, f) in b.fixed.items():
-        print(f"one-chunk restore, {tier:6}: warm {fmt(w, 's', 4)}, floor {fmt(f, 's', 4)}")
+        d = fixed_ms(w, f)
+        print(f"one-chunk restore, {tier:6}: warm {fmt(w, 's', 4)}, floor {fmt(f, 's', 4)}, "
+              f"paired warm - floor min {d.min:.2f} / median {d.median:.2f} / max {d.max:.2f} ms")
     res.update({
         "ttft_cold_s": median(cold), "ttft_suffix_only_s": suffix,
         "ttft_suffix_only_plain_s": median(floor_plain), "ttft_suffix_only_cpu_engine_s": median(floor_cpu),
@@ -223,8 +226,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                     if tput_remote else None),
         "offered_chunks": b.offered_chunks(), "saved_chunks_disk": saved_disk,
         "saved_chunks_remote": saved_remote if tput_remote else None,
-        "restore_fixed_ms_local": fixed_ms(*b.fixed["local"]),
-        "restore_fixed_ms_remote": fixed_ms(*b.fixed["remote"]) if "remote" in b.fixed else None,
+        "restore_fixed_ms_local": fixed_ms(*b.fixed["local"]).median,
+        "restore_fixed_ms_remote": fixed_ms(*b.fixed["remote"]).median if "remote" in b.fixed else None,
+        "restore_fixed_ms_pairs": {t: vars(fixed_ms(*wf)) for t, wf in b.fixed.items()},
         "runs": {"ttft_cold_s": cold, "ttft_suffix_only_plain_s": floor_plain,
                  "ttft_suffix_only_cpu_engine_s": floor_cpu, "ttft_suffix_only_s": floor_remote,
                  "ttft_warm_cpu_s": warm_cpu, "ttft_warm_remote_s": warm_remote,
