@@ -5,8 +5,8 @@ One server process (``python bench/remote.py --tcp-server PORTFILE`` runs :func:
 built the way kvtier's data plane is (``kvtier/server/dataplane.py``): a blocking thread per
 connection (it releases the GIL in ``recv_into``/``sendmsg``), bodies read with ``recv_into``
 and ``MSG_WAITALL`` (at both ends, as kvtier's data path reads: one call per body, which
-measured 1.3-1.5x the plain per-segment loop here) straight into one buffer per connection, replies sent with ``sendmsg`` from a buffer made at
-start, nothing allocated per operation. It is a source/sink, not a store: it keeps no index,
+measured 1.3-1.5x the plain per-segment loop here) straight into one buffer per connection,
+replies sent with ``sendmsg`` from a buffer made at start, nothing allocated per operation. It is a source/sink, not a store: it keeps no index,
 checks nothing and copies nothing it does not have to, so it bounds what any socket server
 written in Python can move here. Requests are a 9-byte header ``<op:1><n:u64>``:
 
@@ -51,7 +51,7 @@ from typing import cast
 
 HEAD = struct.Struct("<cQ")
 MAX_BODY = 16 << 20  # larger than any batch bench/remote.py sends (8 MiB + chunk headers)
-WINDOW = 1 << 20  # a put body lands here piece by piece: the sink keeps nothing
+WINDOW = 1 << 20  # a ``Q`` put body lands here piece by piece: that sink keeps nothing
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
