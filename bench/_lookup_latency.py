@@ -114,8 +114,7 @@ def summary(lat: dict[str, list[float]]) -> dict[str, Any]:
     and ``lookup_data_path_vs_grpc`` (median over median, below 1 is faster)."""
     out: dict[str, Any] = {}
     for p, values in lat.items():
-        s = Stats.of(values)
-        out[f"lookup_us_{p}"] = {"min": s.min, "median": s.median, "max": s.max}
+        out[f"lookup_us_{p}"] = vars(Stats.of(values))
     out["lookup_data_path_vs_grpc"] = out["lookup_us_data_path"]["median"] / out["lookup_us_grpc"]["median"]
     out["lookup_client_vs_client_grpc"] = out["lookup_us_client"]["median"] / out["lookup_us_client_grpc"]["median"]
     return out

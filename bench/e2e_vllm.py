@@ -205,8 +205,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The floor of each ratio is vLLM's own prefix-cache hit measured in the same engine and
     # minute as the warm figure; the plain engine's floor is reported alongside.
     suffix = median(floor_remote) if floor_remote else median(floor_cpu)
+    fixed = {tier: fixed_ms(w, f) for tier, (w, f) in b.fixed.items()}  # paired warm - floor, ms
     for tier, (w, f) in b.fixed.items():
-        d = fixed_ms(w, f)
+        d = fixed[tier]
         print(f"one-chunk restore, {tier:6}: warm {fmt(w, 's', 4)}, floor {fmt(f, 's', 4)}, "
               f"paired warm - floor min {d.min:.2f} / median {d.median:.2f} / max {d.max:.2f} ms")
     res.update({
@@ -226,9 +227,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                     if tput_remote else None),
         "offered_chunks": b.offered_chunks(), "saved_chunks_disk": saved_disk,
         "saved_chunks_remote": saved_remote if tput_remote else None,
-        "restore_fixed_ms_local": fixed_ms(*b.fixed["local"]).median,
-        "restore_fixed_ms_remote": fixed_ms(*b.fixed["remote"]).median if "remote" in b.fixed else None,
-        "restore_fixed_ms_pairs": {t: vars(fixed_ms(*wf)) for t, wf in b.fixed.items()},
+        "restore_fixed_ms_local": fixed["local"].median,
+        "restore_fixed_ms_remote": fixed["remote"].median if "remote" in fixed else None,
+        "restore_fixed_ms_pairs": {t: vars(d) for t, d in fixed.items()},
         "runs": {"ttft_cold_s": cold, "ttft_suffix_only_plain_s": floor_plain,
                  "ttft_suffix_only_cpu_engine_s": floor_cpu, "ttft_suffix_only_s": floor_remote,
                  "ttft_warm_cpu_s": warm_cpu, "ttft_warm_remote_s": warm_remote,

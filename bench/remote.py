@@ -373,8 +373,7 @@ def main() -> None:
     out.update({
         "default_data_path": default_path, "quick": args.quick, "reps": reps, "window_s": seconds,
         **summary(lookups),
-        "gbps": {k: {"min": Stats.of(v).min, "median": Stats.of(v).median, "max": Stats.of(v).max}
-                 for k, v in results.items()},
+        "gbps": {k: vars(Stats.of(v)) for k, v in results.items()},
     })
     print("ratios (medians, 1 MiB x 4 clients): " + ", ".join(
         f"{k} {v:.2f}" for k, v in out.items() if k in pairs and v is not None))

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,11 @@ class ServerProc:
     @property
     def http(self) -> str:
         return f"http://127.0.0.1:{self.ports['http']}"
+
+    def metrics(self) -> str:
+        """The node's Prometheus text (its HTTP side port)."""
+        with urllib.request.urlopen(self.http + "/metrics", timeout=5) as r:
+            return str(r.read().decode())
 
     @property
     def log(self) -> str:

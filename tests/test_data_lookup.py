@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,7 +104,7 @@ def test_lookup_is_counted_like_grpc_lookups(server: ServerProc) -> None:
     alice = node(server, ALICE)
     try:
         alice.lookup(make_keys(3, seed=43), deadline())
-        text = urllib.request.urlopen(f"{server.http}/metrics", timeout=5).read().decode()
+        text = server.metrics()
         assert 'method="data.Lookup"' in text
     finally:
         alice.close()

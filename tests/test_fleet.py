@@ -115,8 +115,7 @@ def test_node2_restores_what_node1_wrote(nodes: list[ServerProc], cluster: Redis
     assert engine(node2, "load", 0, 8, tenant="bob")["hit_chunks"] == [0] * 8
     lower = stats(node1)["lower"]
     assert lower["written"] == 8 * CHUNKS and lower["dropped"] == lower["failed"] == 0, lower
-    with urllib.request.urlopen(node1.http + "/metrics", timeout=5) as r:
-        text = r.read().decode()
+    text = node1.metrics()
     assert f'kvtier_server_lower_writes_total{{outcome="written",tenant="alice"}} {8 * CHUNKS}.0' in text
 
 

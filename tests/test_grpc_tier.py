@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,7 +117,7 @@ def test_data_path_carries_the_bytes(contract_server: tuple[ServerProc, list[str
             assert tier.get(keys[:1]) == chunks[:1]  # still usable after the caller's mistake
         finally:
             tier.close()
-    metrics = urllib.request.urlopen(proc.http + "/metrics", timeout=5).read().decode()
+    metrics = proc.metrics()
     for line in [f'direction="{d}",path="{p}"' for d in ("in", "out") for p in ("shm", "socket", "grpc")]:
         value = next(m for m in metrics.splitlines() if line in m and not m.startswith("#"))
         assert float(value.split()[-1]) > 4 * 3900, value

@@ -116,7 +116,7 @@ def test_health_serving(server: ServerProc) -> None:
 
 def test_http_side_port(server: ServerProc, stub: pb_grpc.KVTierStub) -> None:
     put(stub, make_keys(2, seed=6))
-    metrics = urllib.request.urlopen(server.http + "/metrics", timeout=5).read().decode()
+    metrics = server.metrics()
     assert 'kvtier_server_requests_total{code="OK",method="Put"}' in metrics
     assert 'kvtier_server_tier_used_bytes{tenant="default",tier="disk"}' in metrics
     assert urllib.request.urlopen(server.http + "/healthz", timeout=5).read() == b"ok\n"
