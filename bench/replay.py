@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import workloads  # noqa: E402  (bench/ is on sys.path when this file runs as a script)
 
 from kvtier.analyze.belady import BeladyPolicy
+from kvtier.analyze.replay import replay_leading_hits
 from kvtier.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy
 
 
@@ -102,33 +103,10 @@ class ReplayResult:
 
 
 def replay(requests: Trace, policy: EvictionPolicy, capacity: int) -> tuple[int, int, int]:
-    """(leading hits, blocks, evictions) of ``requests`` through a ``capacity``-block cache."""
-    contains = policy.__contains__
-    access, insert, evict = policy.access, policy.insert, policy.evict
-    hits = blocks = evictions = used = 0
-    for ids in requests:
-        n = len(ids)
-        blocks += n
-        k = 0
-        while k < n and contains(ids[k]):
-            k += 1
-        hits += k
-        for i in range(k):
-            access(ids[i])
-        parent = ids[k - 1] if k else b""
-        for i in range(k, n):
-            key = ids[i]
-            if not contains(key):
-                while used >= capacity:
-                    evict()
-                    used -= 1
-                    evictions += 1
-                used += 1
-            insert(key, 1, i, parent)
-            parent = key
-    if used != len(policy):
-        raise AssertionError(f"{policy.name}: tracks {len(policy)} keys, cache holds {used}")
-    return hits, blocks, evictions
+    """(leading hits, blocks, evictions) of ``requests`` through a ``capacity``-block cache:
+    kvtier.analyze's replay loop, the one ``kvtier analyze`` runs."""
+    hits, evictions = replay_leading_hits(requests, policy, capacity)
+    return sum(hits), sum(len(ids) for ids in requests), evictions
 
 
 def unbounded_ratio(requests: Trace) -> float:

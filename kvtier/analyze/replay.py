@@ -15,7 +15,7 @@ arrays, in log order) so that reports can group them by tenant or model.
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,21 +37,22 @@ def access_sequence(requests: Sequence[Request]) -> list[bytes]:
     return [key for r in requests for key in r.keys]
 
 
-def replay(requests: Sequence[Request], policy: EvictionPolicy, capacity: int) -> np.ndarray:
-    """Per-request leading-hit tokens through a ``capacity``-chunk cache run by ``policy``."""
+def replay_leading_hits(key_lists: Iterable[Sequence[bytes]], policy: EvictionPolicy,
+                        capacity: int) -> tuple[list[int], int]:
+    """The loop itself, on bare key lists: (leading hit chunks of each request, evictions).
+    Raises AssertionError when the policy does not track exactly the keys the cache holds."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 chunk, got {capacity}")
     contains = policy.__contains__
     access, insert, evict = policy.access, policy.insert, policy.evict
-    out = np.zeros(len(requests), dtype=np.int64)
-    used = 0
-    for j, r in enumerate(requests):
-        ids = r.keys
+    hits: list[int] = []
+    used = evictions = 0
+    for ids in key_lists:
         n = len(ids)
         k = 0
         while k < n and contains(ids[k]):
             k += 1
-        out[j] = _hit_tokens(r, k)
+        hits.append(k)
         for i in range(k):
             access(ids[i])
         parent = ids[k - 1] if k else b""
@@ -61,10 +62,19 @@ def replay(requests: Sequence[Request], policy: EvictionPolicy, capacity: int) -
                 while used >= capacity:
                     evict()
                     used -= 1
+                    evictions += 1
                 used += 1
             insert(key, 1, i, parent)
             parent = key
-    return out
+    if used != len(policy):
+        raise AssertionError(f"{policy.name}: tracks {len(policy)} keys, cache holds {used}")
+    return hits, evictions
+
+
+def replay(requests: Sequence[Request], policy: EvictionPolicy, capacity: int) -> np.ndarray:
+    """Per-request leading-hit tokens through a ``capacity``-chunk cache run by ``policy``."""
+    hits, _ = replay_leading_hits((r.keys for r in requests), policy, capacity)
+    return np.fromiter((_hit_tokens(r, k) for r, k in zip(requests, hits)), dtype=np.int64, count=len(requests))
 
 
 def unbounded(requests: Sequence[Request]) -> np.ndarray:
