@@ -300,21 +300,15 @@ class SocketDataPath:
         finally:
             self._checkin(conn, ok)
 
-    def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
+    def put(self, entries: Sequence[Entry | FilledEntry], deadline: float) -> list[bool]:
+        """Store ``entries``, ``max_batch_keys`` per request. A :class:`FilledEntry`'s chunk is
+        written by its ``fill``: on shared memory straight into the segment, its reference sent
+        at once (the server verifies and stores chunk i while chunk i+1 is filled); otherwise
+        filled into fresh memory and sent inline."""
         out: list[bool] = []
         step = self.limits.max_batch_keys
         for base in range(0, len(entries), step):
             out += self._retry(self._put, entries[base : base + step], deadline)
-        return out
-
-    def put_filled(self, items: Sequence[FilledEntry], deadline: float) -> list[bool]:
-        """:meth:`put` of chunks each ``fill`` writes: on shared memory straight into the
-        segment, its reference sent at once (the server verifies and stores chunk i while
-        chunk i+1 is filled); otherwise filled into fresh memory and sent inline."""
-        out: list[bool] = []
-        step = self.limits.max_batch_keys
-        for base in range(0, len(items), step):
-            out += self._retry(self._put, items[base : base + step], deadline)
         return out
 
     def _put(self, entries: Sequence[Entry | FilledEntry], deadline: float) -> list[bool]:

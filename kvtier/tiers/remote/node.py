@@ -296,7 +296,7 @@ class NodeClient:
 
     def put_filled(self, items: Sequence[FilledEntry], deadline: float) -> list[bool]:
         """``put`` of chunks written by their ``fill`` (in the shared segment when there is one)."""
-        return self._fast_or_grpc(deadline, lambda data: data.put_filled(items, deadline),
+        return self._fast_or_grpc(deadline, lambda data: data.put(items, deadline),
                                   lambda: self.grpc_put([i.materialize() for i in items], deadline))
 
     def _fast_or_grpc(self, deadline: float, fast: Callable[[SocketDataPath], R],
