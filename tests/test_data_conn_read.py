@@ -6,6 +6,7 @@ is taken; the frames read must be exactly the frames written."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -25,6 +26,7 @@ from kvtier.protocol.frames import (
     encode_header,
     encode_miss,
 )
+from kvtier.tiers.remote import data_conn
 from kvtier.tiers.remote.data_conn import DataConn
 
 REPLY = [("chunk", 70_000), ("miss", 0), ("chunk", 5), ("chunk", 300_000), ("miss", 0), ("chunk", 4097)]
@@ -71,8 +73,21 @@ def _send_in_pieces(server: socket.socket, data: bytes, seed: int) -> threading.
     return writer
 
 
+@pytest.fixture(params=["c", "python"])
+def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """read_reply with kvtier/_replyloop.c reading the runs of CHUNK frames, and without it
+    (its Python loop alone): every test here runs on both."""
+    if request.param == "python":
+        monkeypatch.setattr(data_conn, "C_RECV_CHUNKS", None)
+    elif data_conn.C_RECV_CHUNKS is None:
+        # CI builds it (same machine image: gcc); elsewhere it is optional.
+        assert not os.environ.get("CI"), "kvtier._replyloop was not built: pip install -e . with a C compiler"
+        pytest.skip("kvtier._replyloop not built here (optional accelerator)")
+    return str(request.param)
+
+
 @pytest.fixture
-def pair() -> Iterator[tuple[DataConn, socket.socket]]:
+def pair(loop: str) -> Iterator[tuple[DataConn, socket.socket]]:
     with socket.create_server(("127.0.0.1", 0)) as listener:  # TCP, as the data path uses
         a = socket.create_connection(listener.getsockname())
         b, _ = listener.accept()

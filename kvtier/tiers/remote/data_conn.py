@@ -1,14 +1,13 @@
 """One data-port connection of the grpc tier's fast path: framing on the socket, deadlines,
 and the shared-memory segment it may map.
 
-:class:`DataConn` reads kvtier.protocol.frames frames (chunk bodies straight into the caller's buffers
-when ``targets`` is set, else into fresh ``bytes``; on plain TCP each body is one
-``MSG_WAITALL`` call, and inside a GET reply the next frame's header comes with it), bounds
-every socket call by the request's deadline (SO_RCVTIMEO/SO_SNDTIMEO on plain TCP,
-``settimeout`` under TLS), and maps the server's shared segment when asked to: a sealed
-memfd whose descriptor it fetches over the abstract Unix socket SHM_READY names, with the
-ticket SHM_READY carries (SCM_RIGHTS; no name in /dev/shm). The segment is mapped only if
-its size is sealed (F_SEAL_SHRINK): nothing can shrink it under this process's mapping.
+:class:`DataConn` reads kvtier.protocol.frames frames (chunk bodies straight into the caller's
+buffers, or into fresh ``bytes``; on plain TCP one ``MSG_WAITALL`` call per body, with the next
+frame's header of a GET reply), bounds every socket call by the request's deadline
+(SO_RCVTIMEO/SO_SNDTIMEO on plain TCP, ``settimeout`` under TLS), and maps the server's shared
+segment when asked to: a sealed memfd fetched over the abstract Unix socket SHM_READY names,
+with its ticket (SCM_RIGHTS; no name in /dev/shm), mapped only if its size is sealed
+(F_SEAL_SHRINK): nothing can shrink it under this process's mapping.
 
 Ownership and threads: a connection belongs to one request at a time (the pool in
 ``kvtier.tiers.remote.data_path`` hands it out and takes it back); nothing here locks. Failure:
@@ -57,6 +56,17 @@ from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 
 __all__ = ["DataConn"]
 
+
+def _load_c_recv_chunks() -> Callable[..., tuple[int, int, float]] | None:
+    """kvtier/_replyloop.c's loop over runs of CHUNK frames; None where it was not built (the
+    Python loop then reads every frame: same results and errors, tests/test_replyloop_fuzz.py)."""
+    try:
+        from kvtier._replyloop import recv_chunks
+    except ImportError:
+        return None
+    return cast(Callable[..., tuple[int, int, float]], recv_chunks)
+
+
 # The data path's logger: these lines are the data path's, whichever module emits them.
 log = logging.getLogger("kvtier.tiers.remote.data_path")
 _REARM_S = 0.01
@@ -64,6 +74,7 @@ _SHM_SEALED = fcntl.F_SEAL_SHRINK
 _REPLIES = (CHUNK, MISS)
 _FLAGS = MORE | PARENT | SHM
 _UNPACK = HEADER.unpack_from
+C_RECV_CHUNKS = _load_c_recv_chunks()
 # get_visit's consumer: (index, read-only view of chunk ``index``), the view valid for the call.
 Visit = Callable[[int, memoryview], None]
 
@@ -123,13 +134,11 @@ class DataConn:
         return time.monotonic() + self._armed
 
     def read(self, deadline: float) -> Frame:
-        """The next frame. Plain TCP: every read asks for exactly what the current header or
-        body still needs (the reader's buffer never spans two frames) with MSG_WAITALL, so a
-        1 MiB body is one ``recv`` call, not one per segment that happened to be queued
-        (each a trip through Python); when ``following`` says more frames of a GET reply come
-        after a CHUNK or MISS, the next frame's header is read in the same call as this body
-        (``recvmsg_into``). A chunk body with no target: one MSG_WAITALL ``recv`` into fresh
-        bytes, handed to the reader whole, so the bytes object itself becomes the result.
+        """The next frame. Plain TCP: each read asks for exactly what the current header or
+        body still needs with MSG_WAITALL (one ``recv`` per 1 MiB body, not one per queued
+        segment; the reader's buffer never spans two frames); with ``following`` frames of a
+        GET reply after a CHUNK or MISS, the next header comes in the same ``recvmsg_into``.
+        A chunk body with no target is one ``recv`` into fresh bytes, which become the result.
         SO_RCVTIMEO bounds each call (a short read loops)."""
         self.set_deadline(deadline)
         if self.tls:
@@ -165,19 +174,19 @@ class DataConn:
 
     def read_reply(self, n: int, targets: Sequence[memoryview] | None, deadline: float,
                    visit: Visit | None = None) -> tuple[list[bytes | int | str], tuple[int, str] | None]:
-        """The whole reply to a GET of ``n`` keys on plain TCP, read and checked frame by frame
-        as :meth:`read` and :class:`~kvtier.protocol.session.GetReplyCollector` do together
-        (same checks, same ProtocolError messages), in one loop with no per-frame objects:
-        (``results``, ``error``). ``results[i]`` is chunk i as fresh ``bytes`` (``targets`` None),
-        or its length once it is in ``targets[i]``, or the miss reason; shared-memory
-        references are copied out as they come (as ``_get`` does). ``error`` is the (code,
-        message) of an ERROR that refused the request (``results`` is then empty).
+        """The whole reply to a GET of ``n`` keys on plain TCP, with :meth:`read` and
+        :class:`~kvtier.protocol.session.GetReplyCollector`'s checks and ProtocolError messages,
+        in one loop with no per-frame objects: (``results``, ``error``). ``results[i]`` is chunk
+        i as fresh ``bytes`` (``targets`` None), or its length once it is in ``targets[i]``, or
+        the miss reason; shared-memory references are copied out as they come. ``error`` is the
+        (code, message) of an ERROR that refused the request (``results`` is then empty).
 
-        Reads: a body is one MSG_WAITALL call, into ``targets[i]`` with the next frame's header
-        in the same ``recvmsg_into`` (get_into), or into fresh bytes (get: then the header is
-        its own call). A target too small for its chunk, or for a shared-memory chunk, is noted
-        (``overflow`` / a ValueError raised once the reply is drained); the connection stays
-        usable. Every call is bounded by ``deadline`` (SO_RCVTIMEO; a short read loops).
+        Reads: a body is one MSG_WAITALL call with the next frame's header in the same call
+        (into fresh bytes: in Python the header is its own call), in C (:data:`C_RECV_CHUNKS`,
+        no Python per frame) for runs of plain CHUNK frames without ``visit``. A target too
+        small for its chunk, or for a shared-memory chunk, is noted (``overflow`` / a ValueError
+        raised once the reply is drained); the connection stays usable. Every call is bounded by
+        ``deadline`` (SO_RCVTIMEO; a short read loops).
 
         ``visit`` (with ``targets`` None): each chunk is handed to ``visit(i, view)`` where it
         lies, in the shared segment (no copy) or in fresh bytes, and ``results[i]`` is its
@@ -186,7 +195,14 @@ class DataConn:
         results: list[bytes | int | str] = []
         value_error: ValueError | None = None
         have = 0  # bytes of this frame's header read with the previous body
-        for i in range(n):
+        fast = C_RECV_CHUNKS if visit is None else None
+        i = 0
+        while i < n:
+            if fast is not None:  # a run of plain CHUNK frames in C; it stops before any other
+                i, have, self._armed = fast(self.sock.fileno(), head, have, i, n, max_body[CHUNK],
+                                            targets, results, deadline, self._armed)
+                if i == n:
+                    break
             self.set_deadline(deadline)
             if have < HEADER_SIZE:
                 self._fill(head[have:], deadline)
@@ -210,6 +226,7 @@ class DataConn:
                 if visit is not None:
                     visit(i, self.referenced(ref))
                     results.append(ref.length)
+                    i += 1
                     continue
                 try:
                     results.append(self.resolve(ref, targets[i] if targets is not None else None))
@@ -229,6 +246,7 @@ class DataConn:
                     self.overflow[i] = length
                     have = self._body(length, more, deadline)[1]
                 results.append(length)
+            i += 1
         if value_error is not None:
             raise value_error
         return results, None
