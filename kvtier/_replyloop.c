@@ -12,14 +12,14 @@
  * call per chunk, no Python per frame, the GIL released while it waits. It stops at the first
  * frame that is anything else, with that frame's whole header in head (have == 16), so the
  * caller's loop deals with it (its checks and error messages stay the only ones). Returns the
- * index reached, how many header bytes head holds, and the SO_RCVTIMEO now armed.
+ * index reached, how many header bytes head holds, and the timeout now armed.
  *
- * Deadlines, as DataConn.set_deadline keeps them: `armed` is the SO_RCVTIMEO the caller set
- * (seconds); before each call it is re-armed to what is left until `deadline` (CLOCK_MONOTONIC
- * seconds, as time.monotonic) when a call could otherwise block more than 10 ms past it, and
- * after a call cut short by it (EAGAIN, or a short count). Past the deadline: TimeoutError
- * ("deadline passed"). EOF: ConnectionError. Other errors: OSError. On an exception, results
- * holds what was read before it and the connection is not usable.
+ * Deadlines, as DataConn.set_deadline keeps them: `armed` is the SO_RCVTIMEO/SO_SNDTIMEO the
+ * caller set (seconds). Before each call both are re-armed to what is left until `deadline`
+ * (CLOCK_MONOTONIC seconds, as time.monotonic) when a call could otherwise end before it or
+ * more than 10 ms after it, and after a call cut short (EAGAIN, or a short count). Past the
+ * deadline: TimeoutError ("deadline passed"). EOF: ConnectionError. Other errors: OSError.
+ * On an exception, results holds what was read before it; the connection is not usable.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,7 +39,7 @@ static double monotonic_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* SO_RCVTIMEO := what is left until `deadline`, when a call started now could end before it or
+/* SO_RCVTIMEO and SO_SNDTIMEO := what is left until `deadline`, when a call started now could end before it or
  * more than REARM_S after it (DataConn.set_deadline's rule). -1: an exception set. */
 #define REARM_S 0.01
 static int bound_by_deadline(int fd, double deadline, double *armed, int force) {
@@ -55,7 +55,9 @@ static int bound_by_deadline(int fd, double deadline, double *armed, int force) 
     tv.tv_usec = (suseconds_t)((left - (double)tv.tv_sec) * 1e6);
     if (tv.tv_sec == 0 && tv.tv_usec == 0)
         tv.tv_usec = 1;
-    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0) {
+    /* both, as set_kernel_timeouts does: `armed` stands for the two */
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0 ||
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
