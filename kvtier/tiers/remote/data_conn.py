@@ -5,9 +5,7 @@ and the shared-memory segment it may map.
 buffers, or into fresh ``bytes``; on plain TCP one ``MSG_WAITALL`` call per body, with the next
 frame's header of a GET reply), bounds every socket call by the request's deadline
 (SO_RCVTIMEO/SO_SNDTIMEO on plain TCP, ``settimeout`` under TLS), and maps the server's shared
-segment when asked to: a sealed memfd fetched over the abstract Unix socket SHM_READY names,
-with its ticket (SCM_RIGHTS; no name in /dev/shm), mapped only if its size is sealed
-(F_SEAL_SHRINK): nothing can shrink it under this process's mapping.
+segment when asked to (:mod:`kvtier.tiers.remote.shm_map` fetches and checks it).
 
 Ownership and threads: a connection belongs to one request at a time (the pool in
 ``kvtier.tiers.remote.data_path`` hands it out and takes it back); nothing here locks. Failure:
@@ -17,10 +15,7 @@ maps them to a node error); ``ValueError`` when a caller's buffer is too small.
 
 from __future__ import annotations
 
-import fcntl
-import logging
 import mmap
-import os
 import socket
 import ssl
 import time
@@ -42,7 +37,6 @@ from kvtier.protocol.frames import (
     Frame,
     FrameReader,
     ProtocolError,
-    ShmOffer,
     ShmRef,
     WireLimits,
     encode_shm_mapped,
@@ -53,6 +47,7 @@ from kvtier.protocol.frames import (
 )
 from kvtier.protocol.session import GetReplyCollector
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
+from kvtier.tiers.remote.shm_map import map_offer
 
 __all__ = ["DataConn"]
 
@@ -67,10 +62,7 @@ def _load_c_recv_chunks() -> Callable[..., tuple[int, int, float]] | None:
     return cast(Callable[..., tuple[int, int, float]], recv_chunks)
 
 
-# The data path's logger: these lines are the data path's, whichever module emits them.
-log = logging.getLogger("kvtier.tiers.remote.data_path")
 _REARM_S = 0.01
-_SHM_SEALED = fcntl.F_SEAL_SHRINK
 _REPLIES = (CHUNK, MISS)
 _FLAGS = MORE | PARENT | SHM
 _UNPACK = HEADER.unpack_from
@@ -351,21 +343,7 @@ class DataConn:
         frame = self.read(deadline)
         if frame.type != SHM_READY:
             return False  # ERROR: the server has it off
-        offer = parse_shm_ready(frame)
-        mapping = None
-        try:
-            fd = _fetch_fd(offer, deadline)
-            try:
-                sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SHM_SEALED == _SHM_SEALED
-                if sealed and os.fstat(fd).st_size >= offer.size:  # else a use could SIGBUS
-                    mapping = mmap.mmap(fd, offer.size)
-                else:
-                    log.warning("data path: the server's segment is not sealed at %d bytes: socket only",
-                                offer.size)
-            finally:
-                os.close(fd)
-        except (OSError, ProtocolError) as exc:
-            log.info("data path: cannot map the server's segment (%s): socket only", exc)
+        mapping = map_offer(parse_shm_ready(frame), deadline)
         send_all(self.sock, encode_shm_mapped(mapping is not None))
         if mapping is None:
             return False
@@ -389,16 +367,3 @@ class DataConn:
         target[: ref.length] = src
         return ref.length
 
-
-def _fetch_fd(offer: ShmOffer, deadline: float) -> int:
-    """The segment's descriptor from the server's one-shot abstract Unix socket."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as unix:
-        unix.settimeout(max(0.001, deadline - time.monotonic()))
-        unix.connect("\0" + offer.socket)
-        unix.sendall(offer.ticket.encode())
-        _, fds, _, _ = socket.recv_fds(unix, 1, 1)
-    if len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError("the server's Unix socket sent no segment descriptor")
-    return fds[0]
