@@ -220,4 +220,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier._replyloop",
                                     "C loop for runs of CHUNK frames in a GET reply (optional).", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__replyloop(void) { return PyModule_Create(&module); }
+/* The wire constants it was built with, for the test that holds them to the Python ones. */
+PyMODINIT_FUNC PyInit__replyloop(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "CHUNK_TYPE", CHUNK_TYPE) < 0 ||
+        PyModule_AddObject(m, "REARM_S", PyFloat_FromDouble(REARM_S)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -96,6 +96,17 @@ def _outcome(data: bytes, n: int, into: bool, seed: int) -> tuple[Any, ...]:
     return out
 
 
+def test_c_loop_was_built_with_the_wire_constants() -> None:
+    if data_conn.C_RECV_CHUNKS is None:
+        assert not os.environ.get("CI"), "kvtier._replyloop was not built: pip install -e . with a C compiler"
+        pytest.skip("kvtier._replyloop not built here (optional accelerator)")
+    from kvtier import _replyloop
+    from kvtier.protocol.frames import CHUNK, HEADER_SIZE
+
+    assert (_replyloop.HEADER_SIZE, _replyloop.CHUNK_TYPE) == (HEADER_SIZE, CHUNK)
+    assert _replyloop.REARM_S == data_conn._REARM_S
+
+
 @pytest.mark.parametrize("seed", range(160))
 def test_c_and_python_loops_agree(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     if data_conn.C_RECV_CHUNKS is None:
