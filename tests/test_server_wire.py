@@ -215,6 +215,47 @@ def test_split_body_target_puts_keys_and_chunk_apart() -> None:
         parse_put(bad)  # no PARENT flag: its keys take 32 bytes
 
 
+def _scatter(views: list[memoryview], data: bytes) -> int:
+    """What ``recvmsg_into(views)`` does with ``data``: fill the views in order."""
+    pos = 0
+    for v in views:
+        n = min(v.nbytes, len(data) - pos)
+        v[:n] = data[pos : pos + n]
+        pos += n
+    return pos
+
+
+def test_split_buffers_take_keys_and_chunk_in_one_read() -> None:
+    """``split_buffers`` (read_frame's one ``recvmsg_into`` for a PUT's keys and chunk): the
+    first part's missing bytes and the whole second part while the first is being read, None
+    at a header, after the first part and for an unsplit body; a scatter read of any length
+    advances the reader as separate reads would."""
+    key, chunk = b"k" * 32, bytes(range(256)) * 12
+    data = join(encode_put(key, chunk, 3, more=False) + encode_miss(1, "absent"))
+    for first in (1, 31, 32, 33, 100, len(chunk) + 32):
+        keys, slot = memoryview(bytearray(32)), memoryview(bytearray(len(chunk)))
+        reader = FrameReader(LIMITS, lambda h, k=keys, s=slot: (k, s) if h.type == PUT else None)
+        assert reader.split_buffers() is None  # a header comes first
+        reader.buffer()[:16] = data[:16]
+        assert reader.advance(16) is None
+        split = reader.split_buffers()
+        assert split is not None and [v.nbytes for v in split] == [32, len(chunk)]
+        pos, frame = 16, None
+        while frame is None:
+            views = reader.split_buffers() or [reader.buffer()]
+            n = _scatter(views, data[pos : pos + (first if pos == 16 else 4096)])
+            pos += n
+            frame = reader.advance(n)
+            assert reader.split_buffers() is None or pos - 16 < 32
+        assert bytes(keys) == key and bytes(slot) == chunk and frame.tail is not None
+        assert parse_put(frame).chunk.obj is slot.obj  # type: ignore[union-attr]
+        assert reader.split_buffers() is None  # the MISS frame's header is next
+    unsplit = FrameReader(LIMITS)
+    unsplit.buffer()[:16] = data[:16]
+    unsplit.advance(16)
+    assert unsplit.split_buffers() is None
+
+
 def test_buffer_never_spans_two_frames() -> None:
     reader = FrameReader(LIMITS)
     assert len(reader.buffer()) == 16

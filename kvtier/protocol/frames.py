@@ -176,6 +176,14 @@ class FrameReader:
             raise ValueError("no frame body is being read")
         return memoryview(self._head)
 
+    def split_buffers(self) -> list[memoryview] | None:
+        """While the first part of a split body is being read: what it still needs and the
+        whole second part, in order (a reader with ``recvmsg_into`` fills both in one call,
+        e.g. a PUT's keys and its chunk); None otherwise (read :meth:`buffer`)."""
+        if self._tail is None or self._body is None or self._got >= self._body.nbytes:
+            return None
+        return [self._body[self._got :], self._tail]
+
     def buffer(self) -> memoryview:
         if self._header is None:
             return memoryview(self._head)[self._got :]

@@ -57,11 +57,16 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
 def read_frame(sock: socket.socket, reader: FrameReader, waitall: bool = False) -> Frame:
     """The next frame. ``waitall`` (blocking plain sockets only): each read asks for exactly
     what the current header or body still needs with ``MSG_WAITALL``, one call per part
-    instead of one per segment the kernel happens to hold. Safe because the reader's buffer
-    never spans two frames: it waits only for bytes the peer must send anyway."""
+    instead of one per segment the kernel happens to hold, and both parts of a split body
+    (a PUT's keys and its chunk) in one ``recvmsg_into``. Safe because the reader's buffers
+    never span two frames: it waits only for bytes the peer must send anyway."""
     flags = socket.MSG_WAITALL if waitall else 0
     while True:
-        n = sock.recv_into(reader.buffer(), 0, flags)
+        split = reader.split_buffers() if waitall else None
+        if split is not None:
+            n = sock.recvmsg_into(split, 0, flags)[0]
+        else:
+            n = sock.recv_into(reader.buffer(), 0, flags)
         if n == 0:
             raise ConnectionError("peer closed the connection")
         frame = reader.advance(n)
