@@ -11,14 +11,14 @@ quiet tenant's chunks survive any flood up to that share. Eviction inside one te
 its own tier's policy (LRU by default); a tenant at its cap evicts its own chunks first (its
 tier does that by itself).
 
-The pool only needs a tier's ``usage()`` and ``shed()`` (:class:`SheddingTier`), so one pool
+The pool only needs a tier's ``used_bytes`` and ``shed()`` (:class:`SheddingTier`), so one pool
 class serves both media: the disk tier sheds chunk files, the RAM tier (a lazily backed
 :class:`~kvtier.tiers.cpu.CpuTier` arena) sheds slots and returns their pages to the OS, so
 the server's resident memory follows the bytes the pool admits rather than the sum of caps.
 
 Bound: the check and the write are not one atomic step, so concurrent puts may pass the
 budget by at most the chunks in flight (bounded by connections x max_chunk_bytes) until the
-next put evicts again. The pool counts chunk bytes (``usage().used_bytes``); a RAM chunk's
+next put evicts again. The pool counts chunk bytes (``used_bytes``); a RAM chunk's
 pages round it up to the page size.
 
 Threads: :meth:`SharedPool.make_room` may be called from any thread (one lock serialises
@@ -31,8 +31,6 @@ import threading
 from collections.abc import Mapping
 from typing import Protocol
 
-from kvtier.tiers.base import TierUsage
-
 
 class SheddingTier(Protocol):
     """A tier whose owner can shrink it: ``shed(n)`` evicts (the tier's own policy order)
@@ -40,7 +38,8 @@ class SheddingTier(Protocol):
     bytes freed; ``reuse=True`` says a put into that same tier follows (a RAM arena then keeps
     the freed pages for it). Thread-safe."""
 
-    def usage(self) -> TierUsage: ...
+    @property
+    def used_bytes(self) -> int: ...
 
     def shed(self, nbytes: int, reuse: bool = False) -> int: ...
 
@@ -56,7 +55,7 @@ class SharedPool:
         self.evicted_bytes = 0  # freed by the pool for another tenant (or for the putter itself)
 
     def used(self) -> int:
-        return sum(t.usage().used_bytes for t in self.tiers.values())
+        return sum(t.used_bytes for t in self.tiers.values())
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit in the budget without evicting anything."""
@@ -66,7 +65,7 @@ class SharedPool:
     def make_room(self, tenant: str, nbytes: int) -> None:
         """Evict until ``nbytes`` more fit in the budget, or no tenant above its share is left."""
         with self._lock:
-            usage = {name: t.usage().used_bytes for name, t in self.tiers.items()}
+            usage = {name: t.used_bytes for name, t in self.tiers.items()}
             over = sum(usage.values()) + nbytes - self.capacity_bytes
             while over > 0:
                 victim = self._victim(tenant, usage, nbytes)

@@ -337,3 +337,10 @@ class BoundedTier(TierBase):
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(self.name, self._used, self.capacity_bytes, self._entries(), self._evictions)
+
+    @property
+    def used_bytes(self) -> int:
+        """``usage().used_bytes`` without the lock or the snapshot, for an owner that reads it
+        on every put (kvtier-server's shared pool): one int, so a put racing this read is
+        either counted or not, never half."""
+        return self._used
