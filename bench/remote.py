@@ -3,11 +3,12 @@
 
     python bench/remote.py [--quick] [--reps N] [--seconds S]
 
-Starts a kvtier-server (1 node, RAM tier), its own redis-server (redis-py as shipped, with
-hiredis, and redis-py "tuned" with the non-copying Python packer kvtier's redis tier uses,
-bench/remote_redis.py; pipelined MSET/MGET) and the ceilings of bench/_loopback.py: a TCP
-source/sink built like kvtier's data plane (a blocking thread per connection, ``sendmsg`` /
-``recv_into``, no per-operation allocation: the best a Python server does on this socket) and
+Starts a kvtier-server (1 node, RAM tier; a second one with 128 tenants for one figure), its
+own redis-server (redis-py as shipped, with hiredis, and redis-py "tuned" with the non-copying
+Python packer kvtier's redis tier uses, bench/remote_redis.py; pipelined MSET/MGET) and the
+ceilings of bench/_loopback.py: a TCP source/sink built like kvtier's data plane (a blocking
+thread per connection, ``sendmsg`` / ``recv_into``, no per-operation allocation: the best a
+Python server does on this socket) and
 an inter-process memcpy through a shared segment (the least work that moves bytes between two
 processes' memory). It then moves batches of 8 MiB of values (256 KiB or 1 MiB each) with 1
 and 4 concurrent clients (separate processes): put, get (fresh ``bytes``, like MGET) and
@@ -28,6 +29,10 @@ The ceilings serve each connection its own memory, as a store serves each client
 values (4 clients read 32 MiB of distinct bytes), and read with ``MSG_WAITALL`` as kvtier does;
 ``*_vs_tcp_hot`` and ``tcp_hot_*_vs_tcp`` keep the earlier ceiling in view, whose one shared
 8 MiB source and 1 MiB sink window stay cache-hot (bench/_loopback.py).
+``socket_put_128_tenants_vs_1``: the same socket PUT to a second kvtier-server with 128
+tenants (tokens file; the clients use the first), against the one-tenant server: a
+per-request cost that grows with the tenant count shows here (the RAM budget check once read
+every tenant's usage on every PUT); 1.0 is the target.
 ``socket_{get,put}_vs_lmcache`` and ``shm_get_vs_lmcache`` compare with LMCache's ``lm://``
 server driven by the same workers (pipelined GETs into preallocated buffers;
 bench/peer_lmcache.py), skipped with a message when lmcache is not installed (not a CI
@@ -68,6 +73,8 @@ from _stats import Stats, fmt
 BATCH_BYTES = 8 << 20
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20}
 CLIENTS = (1, 4)
+TENANTS = 128  # the many-tenant server's tenant count
+TENANT_TOKEN = "bench-token-{:06d}"
 
 
 # --- client workers (one process each) ---------------------------------------------------------
@@ -93,8 +100,10 @@ class _Client:
             from kvtier.tiers.base import Entry
             from kvtier.tiers.remote import GrpcTier
 
-            self.tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(addr["kvtier"],), data_path=path,
-                                                timeout_s=60))
+            many = path == "tenants"  # the many-tenant server, as tenant 0 (socket path)
+            self.tier = GrpcTier(GrpcTierConfig(
+                enabled=True, nodes=(addr["kvtier_tenants" if many else "kvtier"],),
+                data_path="socket" if many else path, timeout_s=60, token=TENANT_TOKEN.format(0) if many else ""))
             self.entries = [Entry(k, v) for k, v in zip(self.keys, self.values)]
             self.outs = [memoryview(bytearray(len(v))) for v in self.values]
         elif system == "redis":
@@ -168,12 +177,18 @@ def worker(wid: int, addr: dict[str, Any], conn: Connection) -> None:
 
 
 # --- orchestration ------------------------------------------------------------------------------
-def start_kvtier(work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    ready = work / "ready.json"
+def start_kvtier(work: Path, tenants: int = 0) -> tuple[subprocess.Popen[bytes], str]:
+    """A kvtier-server (RAM tier); ``tenants`` > 0: with a tokens file of that many tenants."""
+    ready = work / f"ready-{tenants}.json"
     slot = (1 << 20) + 4096  # a 1 MiB payload plus its 128-byte header
     cmd = [sys.executable, "-m", "kvtier.server.main", "--port", "0", "--http-port", "-1", "--data-port", "0",
            "--cpu-bytes", str(600 * slot), "--slot-bytes", str(slot), "--ready-file", str(ready),
            "--log-level", "WARNING"]
+    if tenants:
+        tokens = work / "tokens"
+        tokens.write_text("".join(f"{TENANT_TOKEN.format(i)} tenant{i}\n" for i in range(tenants)))
+        tokens.chmod(0o600)
+        cmd += ["--tokens-file", str(tokens)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
@@ -234,7 +249,7 @@ def run_plan(quick: bool, tuned: bool, lmcache: bool = False) -> dict[tuple[str,
     extra = [("kvtier", "shm", "get_into"), ("kvtier", "socket", "get_into"), ("kvtier", "grpc", "put"),
              ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
              ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get"),
-             ("tcp", "hot", "put"), ("tcp", "hot", "get")]
+             ("tcp", "hot", "put"), ("tcp", "hot", "get"), ("kvtier", "tenants", "put")]
     extra += [("lmcache", "-", "put"), ("lmcache", "-", "get")] if lmcache else []
     plan = {}
     for size_name in SIZES:
@@ -267,6 +282,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-remote-bench-"))
     kv_proc, kv_addr = start_kvtier(work)
+    many_proc, many_addr = start_kvtier(work, TENANTS)
     tcp_proc, tcp_port = start_tcp(work)
     rs = RedisServer().start()
     from peer_lmcache import lmcache_python, start_server
@@ -286,7 +302,7 @@ def main() -> None:
         lookups = measure_lookups(kv_addr, lookup_calls)
         for path in PATHS:
             print(f"lookup 16 keys {path:27s} {fmt(lookups[path], 'us', 0)}", flush=True)
-        addr = {"kvtier": kv_addr, "redis": rs.port, "tcp": tcp_port}
+        addr = {"kvtier": kv_addr, "kvtier_tenants": many_addr, "redis": rs.port, "tcp": tcp_port}
         if lm_python is not None:
             lm_proc, addr["lmcache"] = start_server(lm_python)
         for wid in range(max(CLIENTS)):
@@ -313,8 +329,9 @@ def main() -> None:
             p.send(None)
         for proc in procs:
             proc.join(10)
-        kv_proc.terminate()
-        kv_proc.wait(20)
+        for server in (kv_proc, many_proc):
+            server.terminate()
+            server.wait(20)
         tcp_proc.terminate()
         if lm_proc is not None:
             lm_proc.terminate()
@@ -368,6 +385,8 @@ def main() -> None:
         "socket_get_vs_lmcache": ("kvtier-socket get_into", "lmcache get"),
         "socket_put_vs_lmcache": ("kvtier-socket put", "lmcache put"),
         "shm_get_vs_lmcache": ("kvtier-shm get_into", "lmcache get"),
+        # the same socket PUT to a server with TENANTS tenants against the one-tenant server
+        f"socket_put_{TENANTS}_tenants_vs_1": ("kvtier-tenants put", "kvtier-socket put"),
     }
     out: dict[str, Any] = {key: ratio(a + at, b + at) for key, (a, b) in pairs.items()}
     out.update({
