@@ -168,3 +168,47 @@ def test_promotions_from_disk_make_room_in_the_ram_pool(tmp_path: Path) -> None:
         assert storage.check() == []
     finally:
         storage.close()
+
+
+def test_many_tenants_share_one_ram_budget_through_both_put_paths() -> None:
+    """64 tenants on one RAM budget (no quotas: each may use it all, each is guaranteed 1/64).
+    Scripted: tenants write in turn through both of the server's put paths, the data path's
+    reservation (``reserve`` + ``commit``: taken only while the budget has room, never
+    evicting) and ``put`` (which makes room), 40 chunks each, the later ones flooding the
+    budget. After every write the tenants together stay within the budget (+ one chunk in
+    flight), the pool's running view equals the tiers' own usage, and at the end every
+    tenant still holds its guaranteed share's worth of its newest chunks. (Guaranteed shares
+    once had a 1 MiB floor: here 64 x 1 MiB against a 16 MiB budget, and the tenants passed it.)"""
+    n, chunk, per = 64, 60_000, 40
+    slot = 64 << 10
+    share_slots = 4
+    budget = n * share_slots * slot  # 16 MiB: 4 slots guaranteed per tenant
+    storage = Storage([Tenant(f"t{i}") for i in range(n)], CpuTierConfig(capacity_bytes=budget, slot_bytes=slot),
+                      DiskTierConfig(enabled=False))
+    stores = [storage.store(f"t{i}") for i in range(n)]
+    pool = stores[0].ram_pool
+    assert pool is not None
+    keys = {i: make_keys(per, seed=100 + i) for i in range(n)}
+    reserved = 0
+    try:
+        for j in range(per):
+            for i, store in enumerate(stores):
+                key = keys[i][j]
+                data = make_chunk(key, chunk, seed=i)
+                res = store.reserve(len(data)) if j % 2 else None
+                if res is not None:
+                    reserved += 1
+                    res.view[:] = data
+                    assert store.commit(res, Entry(key, res.view))
+                else:
+                    assert store.put([Entry(key, data)]) == [True]
+                tiers_used = sum(s.ram.usage().used_bytes for s in stores if s.ram is not None)
+                assert pool.used() == tiers_used
+                assert tiers_used <= budget + chunk, (i, j, tiers_used)
+        assert 0 < reserved < n * per // 2  # taken while there was room, refused once full
+        for i, store in enumerate(stores):
+            newest = keys[i][per - share_slots :]
+            assert store.get(newest) == [make_chunk(k, chunk, seed=i) for k in newest], i
+        assert storage.check() == []
+    finally:
+        storage.close()

@@ -356,6 +356,9 @@ def _cap(capacity: int, quota: int) -> int:
 
 
 def _share(capacity: int, tenants: int, quota: int) -> int:
-    """A tenant's guaranteed part of a budget: ``min(quota, capacity // tenants)``."""
-    share = max(MIN_TIER_BYTES, capacity // tenants)
-    return max(MIN_TIER_BYTES, min(quota, share)) if quota else share
+    """A tenant's guaranteed part of a budget: ``min(quota, capacity // tenants)``. Never
+    raised to a floor (a tier's capacity has one, MIN_TIER_BYTES; a share does not): the
+    shares must sum to at most the budget, or the pool lets the tenants together pass it
+    (with 1 MiB floors, 64 tenants on a 16 MiB budget were each guaranteed 1 MiB)."""
+    share = capacity // tenants
+    return min(quota, share) if quota else share
