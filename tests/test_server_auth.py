@@ -167,12 +167,16 @@ def test_quota_evicts_within_the_tenant_only(server: ServerProc, stub: pb_grpc.K
 
 def test_tokens_file_format_errors() -> None:
     assert parse_tokens("tok-0123456789abcdef t1 2GiB admin\n")["tok-0123456789abcdef"].quota_bytes == 2 << 30
+    assert parse_tokens("tok-0123456789abcdef t1 1MiB\n")["tok-0123456789abcdef"].quota_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="quota 64KiB is under 1MiB"):
+        parse_tokens("tok-0123456789abcdef t1 64KiB\n")
     # "#" inside a token is part of it; only "#" at a line start or after a space is a comment
     assert parse_tokens("tok#0123456789abcdef t1 # note\n  # whole line\n") == {
         "tok#0123456789abcdef": parse_tokens("x" * 16 + " t1")["x" * 16]}
     for bad in ("short t1", "tok-0123456789abcdef", "tok-0123456789abcdef ../x", "tok-0123456789abcdef .x",
                 "tok-0123456789abcdef t1 lots", "tok-0123456789abcdef t1\ntok-0123456789abcdef t2",
-                "tok-0123456789abcdef t1 1GiB\ntok-0123456789abcdeX t1 2GiB"):
+                "tok-0123456789abcdef t1 1GiB\ntok-0123456789abcdeX t1 2GiB",
+                "tok-0123456789abcdef t1 64KiB", "tok-0123456789abcdef t1 1048575"):  # unenforceable quotas
         with pytest.raises(ConfigError):
             parse_tokens(bad)
 

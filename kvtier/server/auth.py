@@ -9,7 +9,8 @@ a comment, so a token may itself contain ``#``; blank lines ignored)::
 - ``tenant``: 1-64 characters of ``A-Z a-z 0-9 . _ -``, not starting with ``.``. Several tokens may name one tenant
   (rotation); they must then agree on quota and admin.
 - ``quota``: the tenant's byte quota, a cap on its RAM and on its disk within the shared budgets
-  (``1073741824``, ``512MiB``, ``4GiB``); when absent the
+  (``1073741824``, ``512MiB``, ``4GiB``), at least ``MIN_QUOTA_BYTES`` (1 MiB, the smallest tier
+  the server keeps: a smaller quota could not be enforced and is refused); when absent the
   server's ``default_quota_bytes`` applies.
 - ``admin``: the tenant may read other tenants' Stats (``tenant: "*"`` or a name).
 
@@ -37,6 +38,7 @@ _TENANT = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")  # never "." or "..
 _COMMENT = re.compile(r"(?:^|\s)#")  # "#" inside a token is part of it
 _TOKEN = re.compile(r"^[\x21-\x7e]{16,4096}$")
 MIN_TOKEN_CHARS = 16
+MIN_QUOTA_BYTES = 1 << 20  # a tenant tier's smallest capacity (CpuTierConfig/DiskTierConfig)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,9 @@ def parse_tokens(text: str, where: str = "tokens") -> dict[str, Tenant]:
         if len(sizes) > 1:
             raise ConfigError(f"{at}: unexpected fields {sizes[1:]}")
         quota = parse_size(sizes[0], f"{at} quota") if sizes else 0
+        if 0 < quota < MIN_QUOTA_BYTES:  # 0 (as absent): the default quota
+            raise ConfigError(f"{at}: quota {sizes[0]} is under 1MiB, the smallest tier a tenant gets "
+                              "(it could not be enforced); give 1MiB or more, or no quota")
         tenant = Tenant(name, quota, admin)
         if token in tokens:
             raise ConfigError(f"{at}: token repeated")

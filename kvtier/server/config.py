@@ -126,6 +126,9 @@ class ServerConfig:
                 f"max_message_bytes ({self.max_message_bytes})")
         if self.port < 0:
             raise ConfigError("port: the gRPC listener cannot be disabled")
+        if 0 < self.default_quota_bytes < MiB:
+            raise ConfigError(f"default_quota_bytes ({self.default_quota_bytes}) is under 1MiB, the smallest "
+                              "tier a tenant gets (it could not be enforced); give 0 (none) or 1MiB or more")
         if self.events_endpoint:
             from kvtier.server.events import check_endpoint
 
