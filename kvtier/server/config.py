@@ -27,6 +27,7 @@ from kvtier.config import (
 )
 from kvtier.errors import ConfigError
 from kvtier.protocol.addresses import is_loopback
+from kvtier.server.auth import MIN_QUOTA_BYTES
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -126,7 +127,7 @@ class ServerConfig:
                 f"max_message_bytes ({self.max_message_bytes})")
         if self.port < 0:
             raise ConfigError("port: the gRPC listener cannot be disabled")
-        if 0 < self.default_quota_bytes < MiB:
+        if 0 < self.default_quota_bytes < MIN_QUOTA_BYTES:
             raise ConfigError(f"default_quota_bytes ({self.default_quota_bytes}) is under 1MiB, the smallest "
                               "tier a tenant gets (it could not be enforced); give 0 (none) or 1MiB or more")
         if self.events_endpoint:

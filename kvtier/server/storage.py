@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
-from kvtier.server.auth import Tenant
+from kvtier.server.auth import MIN_QUOTA_BYTES, Tenant
 from kvtier.server.pool import SharedPool
 from kvtier.server.traffic import TenantUsage, Traffic
 from kvtier.tiers.base import Entry, Miss, Probe, Tier
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["Storage", "TenantStore", "TenantUsage", "Traffic"]
 
 log = logging.getLogger(__name__)
-MIN_TIER_BYTES = 1 << 20  # CpuTierConfig/DiskTierConfig lower bound
+MIN_TIER_BYTES = MIN_QUOTA_BYTES  # CpuTierConfig/DiskTierConfig lower bound; no quota is smaller
 
 
 class TenantStore:
