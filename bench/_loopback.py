@@ -6,9 +6,21 @@ built the way kvtier's data plane is (``kvtier/server/dataplane.py``): a blockin
 connection (it releases the GIL in ``recv_into``/``sendmsg``), bodies read with ``recv_into``
 and ``MSG_WAITALL`` (at both ends, as kvtier's data path reads: one call per body, which
 measured 1.3-1.5x the plain per-segment loop here) straight into one buffer per connection,
-replies sent with ``sendmsg`` from a buffer made at start, nothing allocated per operation. It is a source/sink, not a store: it keeps no index,
-checks nothing and copies nothing it does not have to, so it bounds what any socket server
-written in Python can move here. Requests are a 9-byte header ``<op:1><n:u64>``:
+replies sent with ``sendmsg`` from a buffer made at start, nothing allocated per operation.
+It is a source/sink, not a store: it keeps no index, checks nothing and copies nothing it does
+not have to, so it bounds what any socket server written in Python can move here.
+
+Every buffer the kernel copies into or out of is page-aligned (:func:`page_aligned`), because
+on this machine's CPU (AMD EPYC, ``rep movsb`` with FSRM, which the kernel's user copies use)
+a copy whose destination lies 1-31 bytes past its source modulo 4096 runs ~5x slower (1.7-2.4
+against 9-12 GB/s, measured with ``rep movsb`` in user space; glibc's ``memcpy`` steers clear
+of it, the kernel does not). A ``bytearray`` or ``bytes`` this large is its own ``mmap`` with
+the data 16 or 48 bytes into a page, and a body on the wire starts near the start of a kernel
+page fragment, so the earlier ceiling's put sink (16 bytes in, 9-byte header) took every body
+at that cost, and its get receive buffer did or did not, run to run, with the heap's state
+(tcp get 2.1-2.6 or 3.1-3.4 GB/s and tcp put ~2.1 GB/s, against 2.7-3.8 and 3.3-4.0 with
+page-aligned buffers, 2026-12-03). A ceiling must be the best a Python server does, so it
+aligns. Requests are a 9-byte header ``<op:1><n:u64>``:
 
 - ``P`` n: the next n bytes are a put body, read into the connection's own sink (n distinct
   bytes of memory per connection, as a store keeps what each client puts); reply ``k``.
@@ -54,6 +66,13 @@ MAX_BODY = 16 << 20  # larger than any batch bench/remote.py sends (8 MiB + chun
 WINDOW = 1 << 20  # a ``Q`` put body lands here piece by piece: that sink keeps nothing
 
 
+def page_aligned(nbytes: int) -> memoryview:
+    """``nbytes`` of anonymous memory starting on a page (see the module docstring: a kernel
+    copy into or out of it never lands 1-31 bytes past the other side's page offset when
+    that side starts on a page or a few bytes into one)."""
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
     """Fill ``view`` with ``recv_into``, ``MSG_WAITALL`` as kvtier's data path reads (one call
     per body rather than one per segment the kernel holds); False on a clean EOF before the
@@ -79,8 +98,9 @@ def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
     """One connection's thread: every buffer it uses is made here, once (``payload`` is the
     shared cache-hot source of ``H``)."""
     head = memoryview(bytearray(HEAD.size))
-    sink = memoryview(bytearray(MAX_BODY))
-    source = memoryview(os.urandom(MAX_BODY))  # written, so not the kernel's shared zero page
+    sink = page_aligned(MAX_BODY)
+    source = page_aligned(MAX_BODY)
+    source[:] = os.urandom(MAX_BODY)  # written, so not the kernel's shared zero page
     name = memoryview(bytearray(256))
     ack = memoryview(b"k")
     seg: mmap.mmap | None = None
@@ -177,7 +197,8 @@ def _serve_asyncio(payload: memoryview, ready: list[int], started: threading.Eve
 def serve(port_file: str) -> None:
     """Listen on two free loopback ports (the threaded server's, then the asyncio one's,
     written to ``port_file``); serve until killed."""
-    payload = memoryview(os.urandom(MAX_BODY))
+    payload = page_aligned(MAX_BODY)
+    payload[:] = os.urandom(MAX_BODY)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
@@ -203,7 +224,7 @@ class LoopbackClient:
         self.nbytes = sum(v.nbytes for v in self.values)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.recv_buf = memoryview(bytearray(self.nbytes))
+        self.recv_buf = page_aligned(self.nbytes)
         self.ack = memoryview(bytearray(1))
         # hot: the old cache-hot sink window and shared source (``Q``/``H``; see the module doc)
         self.put_head = HEAD.pack(b"Q" if hot else b"P", self.nbytes)
