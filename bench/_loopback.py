@@ -10,8 +10,8 @@ replies sent with ``sendmsg`` from a buffer made at start, nothing allocated per
 It is a source/sink, not a store: it keeps no index, checks nothing and copies nothing it does
 not have to, so it bounds what any socket server written in Python can move here.
 
-Every buffer the kernel copies into or out of is page-aligned (:func:`page_aligned`), because
-on this machine's CPU (AMD EPYC, ``rep movsb`` with FSRM, which the kernel's user copies use)
+Every buffer the kernel copies into or out of is page-aligned (``kvtier.chunk.page_aligned_buffer``),
+because on this machine's CPU (AMD EPYC, ``rep movsb`` with FSRM, which the kernel's user copies use)
 a copy whose destination lies 1-31 bytes past its source modulo 4096 runs ~5x slower (1.7-2.4
 against 9-12 GB/s, measured with ``rep movsb`` in user space; glibc's ``memcpy`` steers clear
 of it, the kernel does not). A ``bytearray`` or ``bytes`` this large is its own ``mmap`` with
@@ -19,8 +19,9 @@ the data 16 or 48 bytes into a page, and a body on the wire starts near the star
 page fragment, so the earlier ceiling's put sink (16 bytes in, 9-byte header) took every body
 at that cost, and its get receive buffer did or did not, run to run, with the heap's state
 (tcp get 2.1-2.6 or 3.1-3.4 GB/s and tcp put ~2.1 GB/s, against 2.7-3.8 and 3.3-4.0 with
-page-aligned buffers, 2026-12-03). A ceiling must be the best a Python server does, so it
-aligns. Requests are a 9-byte header ``<op:1><n:u64>``:
+page-aligned buffers, 2026-12-03): a receive into a page-aligned buffer, or a send from one
+into a fresh fragment, copies at distance 0 or just under 4096. A ceiling must be the best a
+Python server does, so it aligns. Requests are a 9-byte header ``<op:1><n:u64>``:
 
 - ``P`` n: the next n bytes are a put body, read into the connection's own sink (n distinct
   bytes of memory per connection, as a store keeps what each client puts); reply ``k``.
@@ -61,18 +62,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
+from kvtier.chunk import page_aligned_buffer
+
 HEAD = struct.Struct("<cQ")
 MAX_BODY = 16 << 20  # larger than any batch bench/remote.py sends (8 MiB + chunk headers)
 WINDOW = 1 << 20  # a ``Q`` put body lands here piece by piece: that sink keeps nothing
 
 
-def page_aligned(nbytes: int) -> memoryview:
-    """``nbytes`` of anonymous memory starting on a page (see the module docstring). A receive
-    into it from a body that starts on a page fragment or a few bytes into one copies at a
-    distance of 0 or just under 4096, and a send from it into a fresh fragment at 0: both
-    fast. (A send into a fragment the thread had already filled 1-31 bytes of would not be;
-    on loopback the fragment is empty again once the peer has read the previous reply.)"""
-    return memoryview(mmap.mmap(-1, nbytes))
+def _random_source(nbytes: int) -> memoryview:
+    """A page-aligned buffer of random bytes (written, so not the kernel's shared zero page)."""
+    source = page_aligned_buffer(nbytes)
+    source[:] = os.urandom(nbytes)
+    return source
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -100,9 +101,8 @@ def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
     """One connection's thread: every buffer it uses is made here, once (``payload`` is the
     shared cache-hot source of ``H``)."""
     head = memoryview(bytearray(HEAD.size))
-    sink = page_aligned(MAX_BODY)
-    source = page_aligned(MAX_BODY)
-    source[:] = os.urandom(MAX_BODY)  # written, so not the kernel's shared zero page
+    sink = page_aligned_buffer(MAX_BODY)
+    source = _random_source(MAX_BODY)
     name = memoryview(bytearray(256))
     ack = memoryview(b"k")
     seg: mmap.mmap | None = None
@@ -199,8 +199,7 @@ def _serve_asyncio(payload: memoryview, ready: list[int], started: threading.Eve
 def serve(port_file: str) -> None:
     """Listen on two free loopback ports (the threaded server's, then the asyncio one's,
     written to ``port_file``); serve until killed."""
-    payload = page_aligned(MAX_BODY)
-    payload[:] = os.urandom(MAX_BODY)
+    payload = _random_source(MAX_BODY)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
@@ -226,7 +225,7 @@ class LoopbackClient:
         self.nbytes = sum(v.nbytes for v in self.values)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.recv_buf = page_aligned(self.nbytes)
+        self.recv_buf = page_aligned_buffer(self.nbytes)
         self.ack = memoryview(bytearray(1))
         # hot: the old cache-hot sink window and shared source (``Q``/``H``; see the module doc)
         self.put_head = HEAD.pack(b"Q" if hot else b"P", self.nbytes)
