@@ -35,6 +35,7 @@ class ArenaAccess:
         _arena: memoryview
         slot_bytes: int
         _writing: set[int]
+        _warm: list[int]
 
         def _check_open(self) -> None: ...
         def _acquire(self, key: bytes) -> tuple[int, int] | Miss: ...
@@ -118,7 +119,10 @@ class ArenaAccess:
         return self._commit(res, key, depth, parent)
 
     def abort(self, res: Reservation) -> None:
-        """Give back a reserved slot unpublished (its bytes are never read)."""
+        """Give back a reserved slot unpublished (its bytes are never read). It keeps its
+        pages for the put that follows (as an overwritten slot does): the server reserves
+        slots ahead of the chunks it receives and gives back the ones a batch did not use,
+        which would otherwise fault their pages in again on the next batch."""
         with self._lock:
             self._writing.discard(res.slot)
-            self._free_slot(res.slot)  # no reader can hold it: it was never published
+            self._warm.append(res.slot)  # no reader can hold it: it was never published
