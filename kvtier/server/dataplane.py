@@ -17,7 +17,9 @@ PUT batches are all or nothing, as on the gRPC side: items are checked as they a
 one is refused the chunks this batch newly stored are removed again and the reply is one
 ERROR, so a refused batch leaves nothing behind (chunks that were there before stay).
 On a RAM-only store a PUT's chunk is received straight into a RAM slot reserved for it
-(:class:`_DirectPut`; published only once verified), so the kernel's copy is the only one.
+(:class:`kvtier.server.put_run.DirectPut`; published only once verified), so the kernel's
+copy is the only one; on plain TCP the frames after a batch's first are received in runs by
+a C loop (:class:`kvtier.server.put_run.PutRuns`).
 GET replies are :mod:`kvtier.server.data_get`'s (RAM hits sent from the arena, no copy).
 LOOKUP answers as the gRPC ``Lookup`` does (the tenant store's probe, counted as a client
 lookup), without gRPC's per-call cost; WELCOME names it in ``ops`` so that clients send it
@@ -47,17 +49,14 @@ import socket
 import ssl
 import threading
 import time
+from functools import partial
 
 import grpc
 
-from kvtier.keys import KEY_BYTES
 from kvtier.protocol.frames import (
     OP_LOOKUP,
-    PARENT,
-    PUT,
-    SHM,
     SHM_OPEN,
-    FrameHeader,
+    Frame,
     FrameReader,
     LookupKeys,
     ProtocolError,
@@ -73,6 +72,7 @@ from kvtier.protocol.frames import (
 )
 from kvtier.protocol.session import ServerSession, ShmControl
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
+from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
 from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
@@ -96,41 +96,6 @@ class _Batch:
         self.flags: list[bool] = []
         self.error: BadRequest | None = None
         self.new_keys: list[bytes] = []
-
-
-class _DirectPut:
-    """Where a connection's PUT bodies land: the keys in a small buffer and the chunk straight
-    in a RAM slot the store reserves for it (:meth:`TenantStore.reserve`: no copy after the
-    kernel's), when the store takes it so; else the reader's own buffer and a copying put.
-    Holds at most one reservation (the frame being received); ``take`` hands it to the put,
-    ``abort`` gives it back when the frame never completes."""
-
-    def __init__(self, store: TenantStore) -> None:
-        self.store = store
-        self.refusing = False  # the batch was refused: its remaining items are only drained
-        self.reservation: Reservation | None = None
-        self._keys = memoryview(bytearray(2 * KEY_BYTES))
-
-    def target(self, header: FrameHeader) -> tuple[memoryview, memoryview] | None:
-        if header.type != PUT or header.flags & SHM or self.refusing:
-            return None
-        head = 2 * KEY_BYTES if header.flags & PARENT else KEY_BYTES
-        if header.length <= head:
-            return None  # no chunk: parse_put / verification refuse it
-        self.abort()  # (cannot hold one here: the previous frame completed or failed)
-        self.reservation = self.store.reserve(header.length - head)
-        if self.reservation is None:
-            return None
-        return self._keys[:head], self.reservation.view
-
-    def take(self) -> Reservation | None:
-        res, self.reservation = self.reservation, None
-        return res
-
-    def abort(self) -> None:
-        res = self.take()
-        if res is not None:
-            self.store.abort(res)
 
 
 class DataPlane:
@@ -244,18 +209,22 @@ class DataPlane:
         send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
                                        "max_batch_keys": self.limits.max_batch_keys, "ops": [OP_LOOKUP]}))
         store = self.storage.store(tenant.name)
-        direct = _DirectPut(store)
+        direct = put_run.DirectPut(store)
         reader = FrameReader(self.wire_limits, direct.target)
         # Reused for every chunk this connection sends. An anonymous mapping: pages become
         # resident only when first written, and then stay (no per-request page faults).
         scratch_map = mmap.mmap(-1, self.limits.max_chunk_bytes)
         scratch = memoryview(scratch_map)
         waitall = self._request_mode(sock)
+        # Runs of PUT frames received in C (plain TCP only: it reads the socket's descriptor).
+        runs = put_run.PutRuns(sock, store, self.limits.max_chunk_bytes) if waitall and put_run.available() else None
         batch = _Batch()
+        pending: Frame | None = None  # a frame a PUT run stopped at, already whole
         try:
             while not self._draining:
                 conn.idle = not batch.flags
-                frame = read_frame(sock, reader, waitall)
+                frame = pending if pending is not None else read_frame(sock, reader, waitall)
+                pending = None
                 conn.idle = False
                 request = session.accept(frame)
                 if isinstance(request, ShmControl):
@@ -269,7 +238,10 @@ class DataPlane:
                     continue
                 assert isinstance(request, PutItem)
                 self._put_item(store, request, batch, seg.view, direct.take())
-                if not request.more:
+                more = request.more
+                if more and runs is not None and batch.error is None:
+                    more, pending = runs.receive(session, reader, partial(self._put_run_item, store, batch))
+                if not more:
                     self._reply_put(sock, store, batch)
                     batch = _Batch()
                 direct.refusing = batch.error is not None  # the rest of a refused batch is drained
@@ -324,10 +296,11 @@ class DataPlane:
         self.metrics.seconds.labels("data.Lookup").observe(time.perf_counter() - start)
 
     def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None,
-                  reserved: Reservation | None = None) -> None:
+                  reserved: Reservation | None = None, payload_hash: int | None = None) -> None:
         """Store one item of ``batch`` unless an earlier one was refused (then it is only
         drained). ``reserved``: the RAM slot the chunk was received into (``item.chunk`` views
-        it), published only once the chunk is verified."""
+        it), published only once the chunk is verified; ``payload_hash``: its xxh3, where the
+        receiver computed it."""
         if batch.error is not None:
             if reserved is not None:
                 store.abort(reserved)
@@ -340,7 +313,7 @@ class DataPlane:
                 raise ProtocolError(f"PUT references {chunk} outside any mapped segment")
             chunk, path = shm[chunk.offset : chunk.offset + chunk.length], "shm"
         try:
-            entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, len(batch.flags))
+            entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, len(batch.flags), payload_hash)
         except BadRequest as exc:
             if reserved is not None:
                 store.abort(reserved)
@@ -355,6 +328,12 @@ class DataPlane:
             batch.new_keys.append(item.key)
         batch.flags.append(ok)
         self._bytes_in[path].inc(chunk.nbytes)
+
+    def _put_run_item(self, store: TenantStore, batch: _Batch, item: PutItem, reserved: Reservation,
+                      payload_hash: int) -> bool:
+        """An item a PUT run received (kvtier.server.put_run); whether the batch still takes items."""
+        self._put_item(store, item, batch, None, reserved, payload_hash)
+        return batch.error is None
 
     @staticmethod
     def _undo(store: TenantStore, batch: _Batch) -> None:

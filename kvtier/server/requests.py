@@ -98,18 +98,21 @@ def decode_put(raw: bytes, limits: Limits, first_index: int = 0) -> list[Entry]:
 
 
 def make_entry(key: bytes, chunk: bytes | memoryview, depth: int, parent: bytes, limits: Limits,
-               index: int) -> Entry:
+               index: int, payload_hash: int | None = None) -> Entry:
+    """``payload_hash``: xxh3 of the chunk's payload where the caller computed it already
+    (kvtier.server.put_run, while the bytes were in cache); None: computed here."""
     what = f"Put item {index}"
     if len(key) != KEY_BYTES:
         raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: key has {len(key)} bytes; keys are {KEY_BYTES} bytes")
     if parent and len(parent) != KEY_BYTES:
         raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what}: parent key has {len(parent)} bytes; expected 0 or {KEY_BYTES}")
-    verify_chunk(key, chunk, limits, what)
+    verify_chunk(key, chunk, limits, what, payload_hash)
     return Entry(key, chunk, depth, parent)
 
 
-def verify_chunk(key: bytes, chunk: bytes | memoryview, limits: Limits, what: str) -> None:
+def verify_chunk(key: bytes, chunk: bytes | memoryview, limits: Limits, what: str,
+                 payload_hash: int | None = None) -> None:
     """A stored chunk must be exactly one whole, intact kvtier chunk of ``key``.
 
     Contradictions (another key in the header, a length the header disagrees with, not a chunk
@@ -131,5 +134,7 @@ def verify_chunk(key: bytes, chunk: bytes | memoryview, limits: Limits, what: st
     if header.nbytes != n:
         raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what}: chunk is {n} bytes but its header says {header.nbytes}")
-    if xxhash.xxh3_64_intdigest(memoryview(chunk)[HEADER_SIZE:]) != header.checksum:
+    if payload_hash is None:
+        payload_hash = xxhash.xxh3_64_intdigest(memoryview(chunk)[HEADER_SIZE:])
+    if payload_hash != header.checksum:
         raise BadRequest(grpc.StatusCode.DATA_LOSS, f"{what}: payload checksum mismatch (corrupt chunk)")

@@ -208,6 +208,17 @@ class TenantStore:
             return None
         return ram.reserve(nbytes)
 
+    def reserve_many(self, nbytes: int, most: int) -> list[Reservation]:
+        """Up to ``most`` reservations of ``nbytes`` each (see :meth:`reserve`), no more than
+        fit together in the RAM pool's budget: the data path's PUT runs hold several at once."""
+        out: list[Reservation] = []
+        while len(out) < most and (self.ram_pool is None or self.ram_pool.fits((len(out) + 1) * nbytes)):
+            res = self.reserve(nbytes)
+            if res is None:
+                break
+            out.append(res)
+        return out
+
     def commit(self, res: Reservation, entry: Entry) -> bool:
         """Publish a reserved chunk (already verified by the caller) as ``entry``; counted as
         a put."""

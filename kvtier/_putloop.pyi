@@ -1,0 +1,11 @@
+from typing_extensions import Buffer
+
+HEADER_SIZE: int
+KEY_BYTES: int
+MORE: int
+PARENT: int
+
+def bind_hash(path: str, /) -> bool: ...
+def hash(data: Buffer, /) -> int: ...
+def recv_puts(fd: int, head: bytearray, have: int, keys: bytearray, slots: list[memoryview],
+              put_type: int, hash_from: int, /) -> tuple[list[tuple[int, int, int, int]], int]: ...

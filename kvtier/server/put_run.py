@@ -1,0 +1,164 @@
+"""Where the data path's PUT chunks land: RAM slots reserved for them, one frame at a time
+(:class:`DirectPut`) or, for the rest of a batch, in runs received in C (:class:`PutRuns`).
+
+A PUT batch on the data port is a run of frames, one chunk each. Read one frame at a time in
+Python, a 1 MiB chunk costs the server two system calls, three GIL hand-offs (the header,
+the body, the checksum) and ~20 µs of interpreter work; with four connections that was most
+of the server's user CPU (bench/remote.py, ``socket_put_vs_tcp``). Once a batch's first item
+says MORE, :class:`PutRuns` reserves up to :data:`RUN_SLOTS` free RAM slots and lets
+kvtier/_putloop.c receive the next frames into them: keys, chunk and the following header in
+one ``recvmsg``, then xxh3 of the payload while it is still in cache, the GIL released for
+both. Python then hands each item to the data plane exactly as if its frame had been read
+here (the same session checks, the same verification, with the hash computed already).
+
+Only plain TCP connections to a store that takes direct puts (RAM only) use it; TLS, shared
+memory references and a store that would have to evict keep the frame-by-frame path, as
+does any frame the C loop does not take (its header goes back to the frame reader, whose
+checks and messages stay the only ones). Where the extension is not built, or its hash does
+not match the xxhash package's, :func:`available` is False and nothing changes.
+
+Threads: one :class:`PutRuns` per connection, used by that connection's thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from kvtier.chunk import HEADER_SIZE as CHUNK_HEADER_SIZE
+from kvtier.keys import KEY_BYTES
+from kvtier.protocol.frames import MORE, PARENT, PUT, SHM, Frame, FrameHeader, FrameReader, PutItem
+from kvtier.protocol.session import ServerSession
+from kvtier.protocol.wire import HEADER_SIZE
+from kvtier.server.storage import TenantStore
+from kvtier.tiers.cpu import Reservation
+
+log = logging.getLogger(__name__)
+RUN_SLOTS = 8  # slots one connection holds while the C loop fills them (each a max-size chunk)
+
+
+def _load() -> Any:
+    """kvtier._putloop bound to the xxhash package's XXH3_64bits; None where it is not built,
+    cannot find the function, or computes a hash that differs from xxhash's."""
+    try:
+        from kvtier import _putloop
+    except ImportError:
+        return None
+    consts = (_putloop.HEADER_SIZE, _putloop.KEY_BYTES, _putloop.MORE, _putloop.PARENT)
+    if consts != (HEADER_SIZE, KEY_BYTES, MORE, PARENT):
+        log.warning("kvtier._putloop was built for another wire format %s: not used", consts)
+        return None
+    if not _putloop.bind_hash(xxhash._xxhash.__file__):  # type: ignore[attr-defined]
+        log.info("kvtier._putloop: XXH3_64bits not found in the xxhash package; not used")
+        return None
+    for n in (0, 1, 100, 4096, 1 << 20):  # every xxh3 code path: short, mid, long input
+        data = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        if _putloop.hash(data) != xxhash.xxh3_64_intdigest(data):
+            log.warning("kvtier._putloop's XXH3_64bits disagrees with xxhash's: not used")
+            return None
+    return _putloop
+
+
+_PUTLOOP = _load()
+
+
+def available() -> bool:
+    return _PUTLOOP is not None
+
+
+class DirectPut:
+    """Where a connection's PUT bodies land: the keys in a small buffer and the chunk straight
+    in a RAM slot the store reserves for it (:meth:`TenantStore.reserve`: no copy after the
+    kernel's), when the store takes it so; else the reader's own buffer and a copying put.
+    Holds at most one reservation (the frame being received); ``take`` hands it to the put,
+    ``abort`` gives it back when the frame never completes."""
+
+    def __init__(self, store: TenantStore) -> None:
+        self.store = store
+        self.refusing = False  # the batch was refused: its remaining items are only drained
+        self.reservation: Reservation | None = None
+        self._keys = memoryview(bytearray(2 * KEY_BYTES))
+
+    def target(self, header: FrameHeader) -> tuple[memoryview, memoryview] | None:
+        if header.type != PUT or header.flags & SHM or self.refusing:
+            return None
+        head = 2 * KEY_BYTES if header.flags & PARENT else KEY_BYTES
+        if header.length <= head:
+            return None  # no chunk: parse_put / verification refuse it
+        self.abort()  # (cannot hold one here: the previous frame completed or failed)
+        self.reservation = self.store.reserve(header.length - head)
+        if self.reservation is None:
+            return None
+        return self._keys[:head], self.reservation.view
+
+    def take(self) -> Reservation | None:
+        res, self.reservation = self.reservation, None
+        return res
+
+    def abort(self) -> None:
+        res = self.take()
+        if res is not None:
+            self.store.abort(res)
+
+
+# (item, its slot, payload xxh3) -> whether the batch still takes items (False: refused)
+PutSink = Callable[[PutItem, Reservation, int], bool]
+
+
+class PutRuns:
+    """One connection's run receiver. ``max_chunk``: the largest chunk this server takes."""
+
+    def __init__(self, sock: socket.socket, store: TenantStore, max_chunk: int) -> None:
+        self.sock = sock
+        self.store = store
+        self.capacity = min(max_chunk, store.ram.slot_bytes) if store.ram is not None else 0
+        self._head = bytearray(HEADER_SIZE)
+        self._keys = bytearray(RUN_SLOTS * 2 * KEY_BYTES)
+
+    def receive(self, session: ServerSession, reader: FrameReader, sink: PutSink) -> tuple[bool, Frame | None]:
+        """Receive the batch's next frames in runs, giving each item to ``sink`` in order;
+        call after an item with MORE. Returns (more, frame): ``more`` False when the batch's
+        last item went to ``sink``; else the C loop stopped at a frame it does not take, or
+        no slot was free: that frame continues in ``reader`` (``frame``: already whole, when
+        its header was all of it). Raises what the socket or the session raises; on any
+        exception the slots not yet handed to ``sink`` are given back."""
+        assert _PUTLOOP is not None
+        have, accepting = 0, True
+        while True:
+            slots: list[Reservation | None] = list(
+                self.store.reserve_many(self.capacity, RUN_SLOTS) if accepting and self.capacity else [])
+            if not slots:
+                return True, self._hand_back(reader, have)
+            try:
+                items, have = _PUTLOOP.recv_puts(self.sock.fileno(), self._head, have, self._keys,
+                                                 [res.view for res in slots if res is not None],
+                                                 PUT, CHUNK_HEADER_SIZE)
+                for j, (flags, count, length, digest) in enumerate(items):
+                    res, slots[j] = slots[j], None  # the sink owns it now
+                    assert res is not None
+                    keylen = 2 * KEY_BYTES if flags & PARENT else KEY_BYTES
+                    chunk = res.view[: length - keylen]
+                    keys = memoryview(self._keys)[j * 2 * KEY_BYTES : j * 2 * KEY_BYTES + keylen]
+                    item = session.accept(Frame(FrameHeader(PUT, flags, count, length), keys, chunk))
+                    assert isinstance(item, PutItem)
+                    accepting = sink(item, dataclasses.replace(res, view=chunk), digest)
+            finally:
+                for left in slots:
+                    if left is not None:
+                        self.store.abort(left)
+            if have == 0:
+                return False, None
+            if not items:  # a header the loop does not take
+                return True, self._hand_back(reader, have)
+
+    def _hand_back(self, reader: FrameReader, have: int) -> Frame | None:
+        """Put the ``have`` header bytes received into ``reader``: the frame, when complete."""
+        if not have:
+            return None
+        reader.buffer()[:have] = self._head[:have]
+        return reader.advance(have)
