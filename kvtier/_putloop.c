@@ -1,26 +1,27 @@
 /* kvtier-server's receive loop for runs of plain PUT frames (optional accelerator of
- * kvtier.server.put_run; the data plane's Python path is the reference).
+ * kvtier.server.put_run; the data plane's Python frame loop is the reference).
  *
  *     bind_hash(path) -> bool
- *     recv_puts(fd, head, have, keys, slots, put_type, hash_from) -> (items, have)
+ *     hash(data, piece) -> int
+ *     recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)
  *
- * bind_hash: look up XXH3_64bits (the runtime-dispatched build where there is one) in the
- * already-loaded shared object at `path` (the xxhash package's extension, whose symbols are
- * not global). recv_puts refuses to run before it succeeded; the caller checks that the bound
- * function agrees with xxhash.xxh3_64_intdigest before it relies on it.
+ * bind_hash: look up the streaming XXH3_64bits functions (the CPU-dispatched update where
+ * there is one) in the already-loaded shared object at `path` (the xxhash package's
+ * extension, whose symbols are not global). The rest refuse to run before it succeeded; the
+ * caller holds `hash` to xxhash.xxh3_64_intdigest before it relies on the loop.
  *
- * recv_puts reads the frames of a PUT batch that follow one whose MORE flag was set, from
- * blocking socket fd, while each is a PUT with no flags but MORE/PARENT whose chunk fits the
- * next slot: its keys go to keys[64*j:], its chunk to slots[j] and, in the same MSG_WAITALL
- * recvmsg, the next frame's header to head when MORE is set. The GIL is released for each
- * frame's receive and for xxh3 of chunk[hash_from:] (0 for a shorter chunk), computed here
- * while the chunk is still in cache. It stops after a frame without MORE (have = 0: the batch
- * ended), when the slots are used up, or at a header it does not take (have = HEADER_SIZE and
- * the header in head: the caller's reader deals with it, so its checks and error messages stay
- * the only ones). items: one (flags, count, length, hash) per frame received, `length` the
- * whole body. Nothing here validates a chunk: the caller verifies each against its hash.
- * Errors: EOF -> ConnectionError; a socket error (SO_RCVTIMEO expiry included) -> OSError.
- * After an exception the items received are lost and the connection is not usable.
+ * recv_puts reads PUT frames from blocking socket fd, the first one's header being head[:have]
+ * plus what is still to come, while each is a PUT with no flags but MORE/PARENT whose chunk
+ * fits the next slot: its keys go to keys[64*j:], its chunk to slots[j] in pieces of `piece`
+ * bytes, each hashed (xxh3 of chunk[hash_from:], 0 for a shorter chunk) as soon as it is in,
+ * and, in the call that takes the last piece, the next frame's header to head when MORE is
+ * set. The GIL is released for the whole run. It stops after a frame without MORE (have = 0:
+ * the batch ended), when the slots are used up, or at a header it does not take (have =
+ * HEADER_SIZE, the header in head: the caller's reader deals with it, so its checks and error
+ * messages stay the only ones). items: one (flags, count, length, hash) per frame received,
+ * `length` the whole body. Nothing here validates a chunk: the caller verifies each against
+ * its hash. Errors: EOF -> ConnectionError; a socket error (SO_RCVTIMEO expiry included) ->
+ * OSError. After an exception the items received are lost and the connection is not usable.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,38 +36,69 @@
 #define FLAG_MORE 1
 #define FLAG_PARENT 2
 
-typedef uint64_t (*xxh3_fn)(const void *, size_t);
-static xxh3_fn xxh3 = NULL;
+/* The xxhash package's streaming XXH3 (its state is opaque here: made by XXH3_createState). */
+typedef void *(*create_fn)(void);
+typedef int (*free_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+static create_fn xxh_create = NULL;
+static free_fn xxh_free = NULL;
+static reset_fn xxh_reset = NULL;
+static update_fn xxh_update = NULL;
+static digest_fn xxh_digest = NULL;
 
 static PyObject *bind_hash(PyObject *self, PyObject *args) {
     const char *path;
     if (!PyArg_ParseTuple(args, "s", &path))
         return NULL;
-    /* RTLD_NOLOAD: only an object Python has imported already; nothing new is loaded. */
+    /* RTLD_NOLOAD: only an object Python has imported already; nothing new is loaded. The
+     * handle stays open: the module it belongs to is never unloaded. */
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (lib == NULL)
         Py_RETURN_FALSE;
-    void *fn = dlsym(lib, "XXH3_64bits_dispatch");
-    if (fn == NULL)
-        fn = dlsym(lib, "XXH3_64bits");
-    if (fn == NULL)
+    void *update = dlsym(lib, "XXH3_64bits_update_dispatch"); /* the CPU-dispatched build */
+    if (update == NULL)
+        update = dlsym(lib, "XXH3_64bits_update");
+    void *create = dlsym(lib, "XXH3_createState"), *free_ = dlsym(lib, "XXH3_freeState");
+    void *reset = dlsym(lib, "XXH3_64bits_reset"), *digest = dlsym(lib, "XXH3_64bits_digest");
+    if (!update || !create || !free_ || !reset || !digest)
         Py_RETURN_FALSE;
-    xxh3 = (xxh3_fn)fn; /* the handle stays open: the module it belongs to is never unloaded */
+    xxh_create = (create_fn)create;
+    xxh_free = (free_fn)free_;
+    xxh_reset = (reset_fn)reset;
+    xxh_update = (update_fn)update;
+    xxh_digest = (digest_fn)digest;
     Py_RETURN_TRUE;
 }
 
+/* hash(data, piece): XXH3_64bits of data, fed to the bound streaming functions piece bytes at
+ * a time, as recv_puts feeds them (the caller holds it to xxhash's one-shot digest). */
 static PyObject *hash(PyObject *self, PyObject *args) {
     Py_buffer data;
-    if (!PyArg_ParseTuple(args, "y*", &data))
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "y*n", &data, &piece))
         return NULL;
-    if (xxh3 == NULL) {
-        PyBuffer_Release(&data);
-        PyErr_SetString(PyExc_RuntimeError, "bind_hash has not succeeded");
-        return NULL;
+    PyObject *out = NULL;
+    void *st = NULL;
+    if (xxh_create == NULL || piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "hash: bind_hash has not succeeded, or piece <= 0");
+        goto done;
     }
-    uint64_t h = xxh3(data.buf, (size_t)data.len);
+    st = xxh_create();
+    if (st == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    xxh_reset(st);
+    for (Py_ssize_t at = 0; at < data.len; at += piece)
+        xxh_update(st, (char *)data.buf + at, (size_t)(data.len - at < piece ? data.len - at : piece));
+    out = PyLong_FromUnsignedLongLong(xxh_digest(st));
+done:
+    if (st != NULL)
+        xxh_free(st);
     PyBuffer_Release(&data);
-    return PyLong_FromUnsignedLongLong(h);
+    return out;
 }
 
 static uint64_t le64(const unsigned char *p) {
@@ -76,126 +108,180 @@ static uint64_t le64(const unsigned char *p) {
     return v;
 }
 
-/* Receive iov[0..cnt) whole with MSG_WAITALL recvmsg calls, then (hash_len > 0) hash
- * hash_at[0:hash_len]; the GIL released throughout but for a signal check. 0, or -1 with an
- * exception set. */
-static int recv_all(int fd, struct iovec *iov, int cnt, const char *hash_at, size_t hash_len,
-                    uint64_t *digest) {
-    for (;;) {
-        ssize_t k = 0;
-        int err = 0;
-        Py_BEGIN_ALLOW_THREADS
-        while (cnt > 0) {
-            struct msghdr msg;
-            memset(&msg, 0, sizeof msg);
-            msg.msg_iov = iov;
-            msg.msg_iovlen = cnt;
-            k = recvmsg(fd, &msg, MSG_WAITALL);
-            if (k <= 0) {
-                err = errno;
-                break;
-            }
-            while (cnt > 0 && (size_t)k >= iov->iov_len) { /* drop what is full */
-                k -= (ssize_t)iov->iov_len;
-                iov++;
-                cnt--;
-            }
-            if (cnt > 0) {
-                iov->iov_base = (char *)iov->iov_base + k;
-                iov->iov_len -= (size_t)k;
-            }
-        }
-        if (cnt == 0 && hash_len)
-            *digest = xxh3(hash_at, hash_len);
-        Py_END_ALLOW_THREADS
-        if (cnt == 0)
-            return 0;
-        if (k == 0) {
-            PyErr_SetString(PyExc_ConnectionError, "peer closed the connection");
+/* Fill iov[0..cnt) with MSG_WAITALL recvmsg calls (no GIL; EINTR retried: these are never the
+ * main thread, where Python runs signal handlers). 0; -1 at EOF; else the errno. */
+static int recv_exact(int fd, struct iovec *iov, int cnt) {
+    while (cnt > 0) {
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = cnt;
+        ssize_t k = recvmsg(fd, &msg, MSG_WAITALL);
+        if (k == 0)
             return -1;
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
         }
-        if (err != EINTR) {
-            errno = err;
-            PyErr_SetFromErrno(PyExc_OSError);
-            return -1;
+        while (cnt > 0 && (size_t)k >= iov->iov_len) { /* drop what is full */
+            k -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
         }
-        if (PyErr_CheckSignals() < 0)
-            return -1;
+        if (cnt > 0) {
+            iov->iov_base = (char *)iov->iov_base + k;
+            iov->iov_len -= (size_t)k;
+        }
     }
+    return 0;
 }
 
-static PyObject *recv_puts(PyObject *self, PyObject *args) {
+typedef struct {
+    int flags;
+    uint32_t count;
+    uint64_t length;
+    uint64_t digest;
+} item_t;
+
+typedef struct {
     int fd, put_type;
+    unsigned char *head;
+    Py_ssize_t have;
+    char *keys;
+    size_t hash_from, piece;
+    void *state;
+} run_t;
+
+/* The loop itself, without the GIL: frames into slots bufs[0..n) (lens: their sizes), one
+ * item each in items. Returns how many; *err: 0, -1 (EOF) or an errno. */
+static Py_ssize_t run_frames(run_t *r, char **bufs, Py_ssize_t *lens, Py_ssize_t n, item_t *items, int *err) {
+    unsigned char *h = r->head;
+    *err = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        struct iovec iov[3];
+        if (r->have < HEADER_SIZE) {
+            iov[0].iov_base = h + r->have;
+            iov[0].iov_len = (size_t)(HEADER_SIZE - r->have);
+            if ((*err = recv_exact(r->fd, iov, 1)) != 0)
+                return j;
+            r->have = HEADER_SIZE;
+        }
+        int flags = h[3];
+        uint64_t length = le64(h + 8);
+        size_t keylen = flags & FLAG_PARENT ? 2 * KEY_BYTES : KEY_BYTES;
+        if (h[0] != 'K' || h[1] != 'W' || h[2] != r->put_type || (flags & ~(FLAG_MORE | FLAG_PARENT)) ||
+            length <= keylen || length - keylen > (uint64_t)lens[j])
+            return j; /* not one this loop takes: the caller's reader gets the header */
+        size_t chunk = (size_t)(length - keylen);
+        int more = flags & FLAG_MORE;
+        items[j].flags = flags;
+        items[j].count = (uint32_t)h[4] | (uint32_t)h[5] << 8 | (uint32_t)h[6] << 16 | (uint32_t)h[7] << 24;
+        items[j].length = length;
+        xxh_reset(r->state);
+        /* The chunk in pieces, each hashed as soon as it is in: while its bytes are still in
+         * this core's cache (four connections on two cores evict a whole 1 MiB chunk). */
+        for (size_t done = 0; done < chunk;) {
+            size_t piece = chunk - done < r->piece ? chunk - done : r->piece;
+            int cnt = 0;
+            if (done == 0) {
+                iov[cnt].iov_base = r->keys + j * 2 * KEY_BYTES;
+                iov[cnt++].iov_len = keylen;
+            }
+            iov[cnt].iov_base = bufs[j] + done;
+            iov[cnt++].iov_len = piece;
+            if (done + piece == chunk && more) { /* the next frame's header, in the same call */
+                iov[cnt].iov_base = h;
+                iov[cnt++].iov_len = HEADER_SIZE;
+            }
+            if ((*err = recv_exact(r->fd, iov, cnt)) != 0)
+                return j;
+            size_t from = done > r->hash_from ? done : r->hash_from;
+            if (done + piece > from)
+                xxh_update(r->state, bufs[j] + from, done + piece - from);
+            done += piece;
+        }
+        items[j].digest = chunk > r->hash_from ? xxh_digest(r->state) : 0;
+        r->have = more ? HEADER_SIZE : 0;
+        if (!more)
+            return j + 1;
+    }
+    return n;
+}
+
+#define MAX_SLOTS 64
+
+static PyObject *recv_puts(PyObject *self, PyObject *args) {
+    run_t r;
     Py_buffer head, keys;
-    Py_ssize_t have, hash_from;
+    Py_ssize_t hash_from, piece;
     PyObject *slots;
-    if (!PyArg_ParseTuple(args, "iw*nw*O!in", &fd, &head, &have, &keys, &PyList_Type, &slots,
-                          &put_type, &hash_from))
+    if (!PyArg_ParseTuple(args, "iw*nw*O!inn", &r.fd, &head, &r.have, &keys, &PyList_Type, &slots,
+                          &r.put_type, &hash_from, &piece))
         return NULL;
-    PyObject *items = NULL, *out = NULL;
-    Py_ssize_t nslots = PyList_GET_SIZE(slots);
-    if (xxh3 == NULL) {
+    PyObject *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(slots), held = 0;
+    Py_buffer bufs[MAX_SLOTS];
+    char *ptrs[MAX_SLOTS];
+    Py_ssize_t lens[MAX_SLOTS];
+    item_t items[MAX_SLOTS];
+    r.state = NULL;
+    if (xxh_create == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "recv_puts: bind_hash has not succeeded");
         goto done;
     }
-    if (head.len != HEADER_SIZE || have < 0 || have > HEADER_SIZE || hash_from < 0 ||
-        keys.len < nslots * 2 * KEY_BYTES) {
+    if (head.len != HEADER_SIZE || r.have < 0 || r.have > HEADER_SIZE || hash_from < 0 || piece <= 0 ||
+        n > MAX_SLOTS || keys.len < n * 2 * KEY_BYTES) {
         PyErr_SetString(PyExc_ValueError, "recv_puts: bad arguments");
         goto done;
     }
-    items = PyList_New(0);
-    if (items == NULL)
-        goto done;
-    unsigned char *h = head.buf;
-    for (Py_ssize_t j = 0; j < nslots; j++) {
-        struct iovec iov[3];
-        uint64_t digest = 0;
-        if (have < HEADER_SIZE) {
-            iov[0].iov_base = h + have;
-            iov[0].iov_len = (size_t)(HEADER_SIZE - have);
-            if (recv_all(fd, iov, 1, NULL, 0, &digest) < 0)
-                goto done;
-            have = HEADER_SIZE;
-        }
-        int flags = h[3];
-        uint32_t count = (uint32_t)h[4] | (uint32_t)h[5] << 8 | (uint32_t)h[6] << 16 | (uint32_t)h[7] << 24;
-        uint64_t length = le64(h + 8);
-        size_t keylen = flags & FLAG_PARENT ? 2 * KEY_BYTES : KEY_BYTES;
-        Py_buffer slot;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(slots, j), &slot, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    for (; held < n; held++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(slots, held), &bufs[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             goto done;
-        if (h[0] != 'K' || h[1] != 'W' || h[2] != put_type || (flags & ~(FLAG_MORE | FLAG_PARENT)) ||
-            length <= keylen || length - keylen > (uint64_t)slot.len) {
-            PyBuffer_Release(&slot);
-            break; /* not one this loop takes: the caller's reader gets the header */
-        }
-        size_t chunk = (size_t)(length - keylen);
-        int more = flags & FLAG_MORE;
-        iov[0].iov_base = (char *)keys.buf + j * 2 * KEY_BYTES;
-        iov[0].iov_len = keylen;
-        iov[1].iov_base = slot.buf;
-        iov[1].iov_len = chunk;
-        iov[2].iov_base = h;
-        iov[2].iov_len = HEADER_SIZE;
-        size_t hash_len = chunk > (size_t)hash_from ? chunk - (size_t)hash_from : 0;
-        int r = recv_all(fd, iov, more ? 3 : 2, (char *)slot.buf + hash_from, hash_len, &digest);
-        PyBuffer_Release(&slot);
-        if (r < 0)
-            goto done;
-        PyObject *item = Py_BuildValue("iIKK", flags, count, (unsigned long long)length,
-                                       (unsigned long long)digest);
-        if (item == NULL || PyList_Append(items, item) < 0) {
-            Py_XDECREF(item);
-            goto done;
-        }
-        Py_DECREF(item);
-        have = more ? HEADER_SIZE : 0;
-        if (!more)
-            break;
+        ptrs[held] = bufs[held].buf;
+        lens[held] = bufs[held].len;
     }
-    out = Py_BuildValue("On", items, have);
+    r.state = xxh_create();
+    if (r.state == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    r.head = head.buf;
+    r.keys = keys.buf;
+    r.hash_from = (size_t)hash_from;
+    r.piece = (size_t)piece;
+    Py_ssize_t got;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    got = run_frames(&r, ptrs, lens, n, items, &err);
+    Py_END_ALLOW_THREADS
+    if (err == -1) {
+        PyErr_SetString(PyExc_ConnectionError, "peer closed the connection");
+        goto done;
+    }
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    PyObject *list = PyList_New(got);
+    if (list == NULL)
+        goto done;
+    for (Py_ssize_t j = 0; j < got; j++) {
+        PyObject *item = Py_BuildValue("iIKK", items[j].flags, items[j].count,
+                                       (unsigned long long)items[j].length, (unsigned long long)items[j].digest);
+        if (item == NULL) {
+            Py_DECREF(list);
+            goto done;
+        }
+        PyList_SET_ITEM(list, j, item);
+    }
+    out = Py_BuildValue("Nn", list, r.have);
 done:
-    Py_XDECREF(items);
+    if (r.state != NULL)
+        xxh_free(r.state);
+    for (Py_ssize_t j = 0; j < held; j++)
+        PyBuffer_Release(&bufs[j]);
     PyBuffer_Release(&head);
     PyBuffer_Release(&keys);
     return out;
@@ -203,9 +289,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"bind_hash", bind_hash, METH_VARARGS, "bind_hash(path) -> bool"},
-    {"hash", hash, METH_VARARGS, "hash(data) -> int: the bound XXH3_64bits of data"},
+    {"hash", hash, METH_VARARGS, "hash(data, piece) -> int: the bound streaming XXH3_64bits of data"},
     {"recv_puts", recv_puts, METH_VARARGS,
-     "recv_puts(fd, head, have, keys, slots, put_type, hash_from) -> (items, have)"},
+     "recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -221,7 +307,8 @@ PyMODINIT_FUNC PyInit__putloop(void) {
     if (PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MORE", FLAG_MORE) < 0 ||
-        PyModule_AddIntConstant(m, "PARENT", FLAG_PARENT) < 0) {
+        PyModule_AddIntConstant(m, "PARENT", FLAG_PARENT) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -223,6 +223,13 @@ class DataPlane:
         try:
             while not self._draining:
                 conn.idle = not batch.flags
+                if runs is not None and pending is None and reader.body_type is None and batch.error is None:
+                    ended, pending = runs.receive(session, reader, partial(self._put_run_item, store, batch))
+                    if ended:
+                        conn.idle = False
+                        self._reply_put(sock, store, batch)
+                        batch = _Batch()
+                        continue
                 frame = pending if pending is not None else read_frame(sock, reader, waitall)
                 pending = None
                 conn.idle = False
@@ -238,10 +245,7 @@ class DataPlane:
                     continue
                 assert isinstance(request, PutItem)
                 self._put_item(store, request, batch, seg.view, direct.take())
-                more = request.more
-                if more and runs is not None and batch.error is None:
-                    more, pending = runs.receive(session, reader, partial(self._put_run_item, store, batch))
-                if not more:
+                if not request.more:
                     self._reply_put(sock, store, batch)
                     batch = _Batch()
                 direct.refusing = batch.error is not None  # the rest of a refused batch is drained

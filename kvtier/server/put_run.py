@@ -4,12 +4,13 @@
 A PUT batch on the data port is a run of frames, one chunk each. Read one frame at a time in
 Python, a 1 MiB chunk costs the server two system calls, three GIL hand-offs (the header,
 the body, the checksum) and ~20 µs of interpreter work; with four connections that was most
-of the server's user CPU (bench/remote.py, ``socket_put_vs_tcp``). Once a batch's first item
-says MORE, :class:`PutRuns` reserves up to :data:`RUN_SLOTS` free RAM slots and lets
-kvtier/_putloop.c receive the next frames into them: keys, chunk and the following header in
-one ``recvmsg``, then xxh3 of the payload while it is still in cache, the GIL released for
-both. Python then hands each item to the data plane exactly as if its frame had been read
-here (the same session checks, the same verification, with the hash computed already).
+of the server's user CPU (bench/remote.py, ``socket_put_vs_tcp``). :class:`PutRuns` reads
+each request's header; for a PUT it reserves up to :data:`RUN_SLOTS` free RAM slots and lets
+kvtier/_putloop.c receive that frame and the batch's next ones into them (keys, chunk and
+the following header in one ``recvmsg`` per piece of :data:`PIECE` bytes, each piece hashed
+with xxh3 as soon as it is in, while still in cache), the GIL released for the whole run.
+Python then hands each item to the data plane exactly as if its frame had been read here
+(the same session checks, the same verification, with the hash computed already).
 
 Only plain TCP connections to a store that takes direct puts (RAM only) use it; TLS, shared
 memory references and a store that would have to evict keep the frame-by-frame path, as
@@ -40,6 +41,7 @@ from kvtier.tiers.cpu import Reservation
 
 log = logging.getLogger(__name__)
 RUN_SLOTS = 8  # slots one connection holds while the C loop fills them (each a max-size chunk)
+PIECE = 256 << 10  # the C loop hashes a chunk in pieces of this size, each as soon as it is in
 
 
 def _load() -> Any:
@@ -56,11 +58,12 @@ def _load() -> Any:
     if not _putloop.bind_hash(xxhash._xxhash.__file__):  # type: ignore[attr-defined]
         log.info("kvtier._putloop: XXH3_64bits not found in the xxhash package; not used")
         return None
-    for n in (0, 1, 100, 4096, 1 << 20):  # every xxh3 code path: short, mid, long input
+    for n in (0, 1, 100, 240, 241, 4096, 1 << 20):  # every xxh3 code path: short, mid, long input
         data = bytes(range(256)) * (n // 256) + bytes(n % 256)
-        if _putloop.hash(data) != xxhash.xxh3_64_intdigest(data):
-            log.warning("kvtier._putloop's XXH3_64bits disagrees with xxhash's: not used")
-            return None
+        for piece in (1, 7, 1024, PIECE):
+            if _putloop.hash(data, piece) != xxhash.xxh3_64_intdigest(data):
+                log.warning("kvtier._putloop's streaming XXH3_64bits disagrees with xxhash's: not used")
+                return None
     return _putloop
 
 
@@ -121,23 +124,26 @@ class PutRuns:
         self._keys = bytearray(RUN_SLOTS * 2 * KEY_BYTES)
 
     def receive(self, session: ServerSession, reader: FrameReader, sink: PutSink) -> tuple[bool, Frame | None]:
-        """Receive the batch's next frames in runs, giving each item to ``sink`` in order;
-        call after an item with MORE. Returns (more, frame): ``more`` False when the batch's
-        last item went to ``sink``; else the C loop stopped at a frame it does not take, or
-        no slot was free: that frame continues in ``reader`` (``frame``: already whole, when
-        its header was all of it). Raises what the socket or the session raises; on any
-        exception the slots not yet handed to ``sink`` are given back."""
+        """Read the next frame's header (``reader`` must be between frames); while frames are
+        plain PUTs and RAM slots are free, receive them in runs, giving each item to ``sink``
+        in order. Returns (ended, frame): ``ended`` when the last item received ended its
+        batch (reply now); else the header of the frame to go on with is in ``reader``
+        (``frame``: that frame, when its header was all of it; None: ``read_frame`` reads its
+        body). Raises what the socket or the session raises; on any exception the slots not
+        yet handed to ``sink`` are given back."""
         assert _PUTLOOP is not None
-        have, accepting = 0, True
+        self._read_header()
+        have, accepting = HEADER_SIZE, True
         while True:
             slots: list[Reservation | None] = list(
-                self.store.reserve_many(self.capacity, RUN_SLOTS) if accepting and self.capacity else [])
+                self.store.reserve_many(self.capacity, RUN_SLOTS)
+                if accepting and self.capacity and self._head[2] == PUT else [])
             if not slots:
-                return True, self._hand_back(reader, have)
+                return False, self._hand_back(reader)
             try:
                 items, have = _PUTLOOP.recv_puts(self.sock.fileno(), self._head, have, self._keys,
                                                  [res.view for res in slots if res is not None],
-                                                 PUT, CHUNK_HEADER_SIZE)
+                                                 PUT, CHUNK_HEADER_SIZE, PIECE)
                 for j, (flags, count, length, digest) in enumerate(items):
                     res, slots[j] = slots[j], None  # the sink owns it now
                     assert res is not None
@@ -152,13 +158,21 @@ class PutRuns:
                     if left is not None:
                         self.store.abort(left)
             if have == 0:
-                return False, None
+                return True, None
             if not items:  # a header the loop does not take
-                return True, self._hand_back(reader, have)
+                return False, self._hand_back(reader)
 
-    def _hand_back(self, reader: FrameReader, have: int) -> Frame | None:
-        """Put the ``have`` header bytes received into ``reader``: the frame, when complete."""
-        if not have:
-            return None
-        reader.buffer()[:have] = self._head[:have]
-        return reader.advance(have)
+    def _read_header(self) -> None:
+        """The next frame's header into ``_head``, before any slot is reserved: a connection
+        idle between requests holds none."""
+        view, got = memoryview(self._head), 0
+        while got < HEADER_SIZE:
+            n = self.sock.recv_into(view[got:], HEADER_SIZE - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise ConnectionError("peer closed the connection")
+            got += n
+
+    def _hand_back(self, reader: FrameReader) -> Frame | None:
+        """Put the header in ``_head`` into ``reader``: the frame, when that completes it."""
+        reader.buffer()[:HEADER_SIZE] = self._head
+        return reader.advance(HEADER_SIZE)
