@@ -4,6 +4,7 @@
  *     bind_hash(path) -> bool
  *     hash(data, piece) -> int
  *     recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)
+ *     copy_hash(dst, src, hash_from, piece) -> int   (the shared-memory PUT's copy; below)
  *
  * bind_hash: look up the streaming XXH3_64bits functions (the CPU-dispatched update where
  * there is one) in the already-loaded shared object at `path` (the xxhash package's
@@ -201,12 +202,56 @@ static Py_ssize_t run_frames(run_t *r, char **bufs, Py_ssize_t *lens, Py_ssize_t
                 xxh_update(r->state, bufs[j] + from, done + piece - from);
             done += piece;
         }
-        items[j].digest = chunk > r->hash_from ? xxh_digest(r->state) : 0;
+        items[j].digest = chunk >= r->hash_from ? xxh_digest(r->state) : 0;
         r->have = more ? HEADER_SIZE : 0;
         if (!more)
             return j + 1;
     }
     return n;
+}
+
+/* copy_hash(dst, src, hash_from, piece) -> int: copy src into dst (same size) piece bytes at a
+ * time, hashing each piece of dst[hash_from:] right after it is copied (while in cache); the
+ * GIL released. The hash is of the copy: what is stored is what was verified, whatever the
+ * source (a client's shared segment) does meanwhile. */
+static PyObject *copy_hash(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    Py_ssize_t hash_from, piece;
+    if (!PyArg_ParseTuple(args, "w*y*nn", &dst, &src, &hash_from, &piece))
+        return NULL;
+    PyObject *out = NULL;
+    void *st = NULL;
+    if (xxh_create == NULL || dst.len != src.len || hash_from < 0 || piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_hash: bind_hash has not succeeded, or bad arguments");
+        goto done;
+    }
+    st = xxh_create();
+    if (st == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    char *d = dst.buf;
+    const char *sbuf = src.buf;
+    size_t n = (size_t)dst.len, from0 = (size_t)hash_from, step = (size_t)piece;
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    xxh_reset(st);
+    for (size_t done = 0; done < n; done += step) {
+        size_t len = n - done < step ? n - done : step;
+        memcpy(d + done, sbuf + done, len);
+        size_t from = done > from0 ? done : from0;
+        if (done + len > from)
+            xxh_update(st, d + from, done + len - from);
+    }
+    digest = n >= from0 ? xxh_digest(st) : 0;
+    Py_END_ALLOW_THREADS
+    out = PyLong_FromUnsignedLongLong(digest);
+done:
+    if (st != NULL)
+        xxh_free(st);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return out;
 }
 
 #define MAX_SLOTS 64
@@ -290,6 +335,7 @@ done:
 static PyMethodDef methods[] = {
     {"bind_hash", bind_hash, METH_VARARGS, "bind_hash(path) -> bool"},
     {"hash", hash, METH_VARARGS, "hash(data, piece) -> int: the bound streaming XXH3_64bits of data"},
+    {"copy_hash", copy_hash, METH_VARARGS, "copy_hash(dst, src, hash_from, piece) -> int"},
     {"recv_puts", recv_puts, METH_VARARGS,
      "recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)"},
     {NULL, NULL, 0, NULL},

@@ -1,9 +1,10 @@
 """Differential fuzz of the server's PUT runs: kvtier/_putloop.c (kvtier.server.put_run)
 receiving a batch's frames, against the data plane's Python frame loop (the reference).
 
-Each example is a PUT batch of valid items mixed with items the server must refuse or hand
-to the frame reader (a corrupt payload, another key in the chunk header, a chunk larger than
-a slot, no chunk at all, a shared-memory reference, a GET inside the batch, a bad magic),
+Each example is a PUT batch of valid items (one may hold an empty tensor: a header and no
+payload) mixed with items the server must refuse or hand to the frame reader (a corrupt
+payload, another key in the chunk header, a chunk larger than a slot, less than a chunk
+header, no chunk at all, a shared-memory reference, a GET inside the batch, a bad magic),
 sent whole or cut off at a random byte. A real DataPlane on a loopback socket answers it
 twice, once with the C loop and once without; the bytes it sends back and what the store
 holds afterwards (keys, chunk bytes, the tier's own ``check()``) must be the same."""
@@ -29,7 +30,8 @@ from kvtier.server.storage import Storage
 from tests.kvtier_servers import make_chunk, make_keys
 
 SLOT = 64 << 10
-KINDS = ("ok", "ok", "ok", "parent", "corrupt", "other_key", "too_big", "empty", "shm", "get", "magic")
+KINDS = ("ok", "ok", "ok", "parent", "corrupt", "other_key", "too_big", "empty", "no_payload", "short", "shm",
+         "get", "magic")
 
 
 def _frame(kind: str, i: int, key: bytes, more: bool) -> bytes:
@@ -41,6 +43,10 @@ def _frame(kind: str, i: int, key: bytes, more: bool) -> bytes:
         chunk = chunk[:-1] + bytes([chunk[-1] ^ 1])
     elif kind == "other_key":
         chunk = make_chunk(b"\x09" * 32, 4096, seed=i)
+    elif kind == "no_payload":  # a valid chunk of an empty tensor: its header only
+        chunk = make_chunk(key, 0, seed=i)
+    elif kind == "short":  # not even a chunk header
+        chunk = chunk[:100]
     elif kind == "too_big":
         chunk = make_chunk(key, SLOT + 1000, seed=i)
     elif kind == "empty":

@@ -142,6 +142,42 @@ def test_client_cannot_shrink_or_grow_its_segment(server: ServerProc) -> None:
     alive_and_serving(server)
 
 
+def test_a_shared_memory_put_stores_what_it_verified(server: ServerProc) -> None:
+    """A PUT by reference is copied out of the segment and verified as the copy it stores: a
+    corrupt chunk there is refused (DATA_LOSS) and leaves the key's old chunk in place; a good
+    one, or several in one batch, are stored whole."""
+    sock, reader = connect(server)
+    with sock:
+        offer = offer_segment(sock, reader)
+        fd = fetch_fd(offer)
+        assert fd is not None
+        seg = mmap.mmap(fd, offer.size)
+        os.close(fd)
+        send_all(sock, encode_shm_mapped(True))
+        keys = make_keys(3, seed=41)
+        chunks = [make_chunk(k, 300_000 + i, seed=i) for i, k in enumerate(keys)]
+        at = 0
+        for i, (key, chunk) in enumerate(zip(keys, chunks)):
+            seg[at : at + len(chunk)] = chunk
+            send_all(sock, encode_put_ref(key, at, len(chunk), more=i < 2))
+            at += len(chunk)
+        assert read_frame(sock, reader).type == PUT_REPLY
+        bad = bytearray(make_chunk(keys[0], 300_000, seed=9))
+        bad[-1] ^= 1
+        seg[: len(bad)] = bad
+        send_all(sock, encode_put_ref(keys[0], 0, len(bad)))
+        frame = read_frame(sock, reader)
+        assert frame.type == ERROR and b"checksum" in bytes(frame.body)
+        send_all(sock, encode_get(keys))
+        for chunk in chunks:
+            frame = read_frame(sock, reader)
+            assert frame.type == CHUNK and frame.header.flags & SHM
+            ref = parse_ref(frame.body, "CHUNK")
+            assert seg[ref.offset : ref.offset + ref.length] == chunk
+        seg.close()
+    alive_and_serving(server)
+
+
 def test_rule_breaker_loses_only_its_connection(server: ServerProc) -> None:
     """References past the segment, a segment asked for twice: that connection gets an
     ERROR and is closed; another tenant's connection in the middle of its work is untouched."""

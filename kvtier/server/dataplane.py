@@ -316,6 +316,10 @@ class DataPlane:
             if shm is None or not chunk.within(shm.nbytes):
                 raise ProtocolError(f"PUT references {chunk} outside any mapped segment")
             chunk, path = shm[chunk.offset : chunk.offset + chunk.length], "shm"
+            copied = put_run.copy_into_slot(store, chunk) if reserved is None else None
+            if copied is not None:  # verified below as the copy it stores, not the segment
+                reserved, payload_hash = copied
+                chunk = reserved.view
         try:
             entry = make_entry(item.key, chunk, item.depth, item.parent, self.limits, len(batch.flags), payload_hash)
         except BadRequest as exc:

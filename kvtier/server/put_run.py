@@ -61,7 +61,10 @@ def _load() -> Any:
     for n in (0, 1, 100, 240, 241, 4096, 1 << 20):  # every xxh3 code path: short, mid, long input
         data = bytes(range(256)) * (n // 256) + bytes(n % 256)
         for piece in (1, 7, 1024, PIECE):
-            if _putloop.hash(data, piece) != xxhash.xxh3_64_intdigest(data):
+            copy = bytearray(n)
+            want = xxhash.xxh3_64_intdigest(data)
+            if (_putloop.hash(data, piece) != want or _putloop.copy_hash(copy, data, 0, piece) != want
+                    or copy != data):
                 log.warning("kvtier._putloop's streaming XXH3_64bits disagrees with xxhash's: not used")
                 return None
     return _putloop
@@ -72,6 +75,20 @@ _PUTLOOP = _load()
 
 def available() -> bool:
     return _PUTLOOP is not None
+
+
+def copy_into_slot(store: TenantStore, src: memoryview) -> tuple[Reservation, int] | None:
+    """A shared-memory PUT's chunk copied into a RAM slot reserved for it, with the xxh3 of
+    the copy's payload (hashed piece by piece right after each is copied, the GIL released:
+    four connections copy at once, and what is verified is what is stored). The caller
+    verifies, then commits or aborts the slot. None where the C loop is not available or
+    the store has no slot for it without evicting: the caller verifies and puts as before."""
+    if _PUTLOOP is None:
+        return None
+    res = store.reserve(src.nbytes)
+    if res is None:
+        return None
+    return res, _PUTLOOP.copy_hash(res.view, src, CHUNK_HEADER_SIZE, PIECE)
 
 
 class DirectPut:
