@@ -23,7 +23,6 @@ Threads: one :class:`PutRuns` per connection, used by that connection's thread o
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -169,7 +168,7 @@ class PutRuns:
                     keys = memoryview(self._keys)[j * 2 * KEY_BYTES : j * 2 * KEY_BYTES + keylen]
                     item = session.accept(Frame(FrameHeader(PUT, flags, count, length), keys, chunk))
                     assert isinstance(item, PutItem)
-                    accepting = sink(item, dataclasses.replace(res, view=chunk), digest)
+                    accepting = sink(item, Reservation(res.slot, chunk), digest)
             finally:
                 for left in slots:
                     if left is not None:
