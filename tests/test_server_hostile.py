@@ -109,6 +109,17 @@ def alive_and_serving(server: ServerProc) -> None:
         assert read_frame(sock, reader).type == PUT_REPLY
 
 
+def assert_shm_get(sock: socket.socket, reader: FrameReader, seg: mmap.mmap, keys: list[bytes],
+                   chunks: list[bytes]) -> None:
+    """GET ``keys``: each reply is a reference into ``seg`` where the server wrote its chunk."""
+    send_all(sock, encode_get(keys))
+    for chunk in chunks:
+        frame = read_frame(sock, reader)
+        assert frame.type == CHUNK and frame.header.flags & SHM
+        ref = parse_ref(frame.body, "CHUNK")
+        assert seg[ref.offset : ref.offset + ref.length] == chunk
+
+
 def test_client_cannot_shrink_or_grow_its_segment(server: ServerProc) -> None:
     """Issue 10 item 1: ftruncate of the segment used to SIGBUS the server. The descriptor a
     client gets is sealed: truncation fails, and the server's copies stay safe."""
@@ -133,11 +144,7 @@ def test_client_cannot_shrink_or_grow_its_segment(server: ServerProc) -> None:
         send_all(sock, encode_put_ref(key, 0, len(chunk)))
         assert read_frame(sock, reader).type == PUT_REPLY
         seg[:4096] = b"\0" * 4096  # the server copied it: rewriting the segment changes nothing
-        send_all(sock, encode_get([key]))
-        frame = read_frame(sock, reader)
-        assert frame.type == CHUNK and frame.header.flags & SHM
-        ref = parse_ref(frame.body, "CHUNK")
-        assert seg[ref.offset : ref.offset + ref.length] == chunk
+        assert_shm_get(sock, reader, seg, [key], [chunk])
         seg.close()
     alive_and_serving(server)
 
@@ -168,12 +175,7 @@ def test_a_shared_memory_put_stores_what_it_verified(server: ServerProc) -> None
         send_all(sock, encode_put_ref(keys[0], 0, len(bad)))
         frame = read_frame(sock, reader)
         assert frame.type == ERROR and b"checksum" in bytes(frame.body)
-        send_all(sock, encode_get(keys))
-        for chunk in chunks:
-            frame = read_frame(sock, reader)
-            assert frame.type == CHUNK and frame.header.flags & SHM
-            ref = parse_ref(frame.body, "CHUNK")
-            assert seg[ref.offset : ref.offset + ref.length] == chunk
+        assert_shm_get(sock, reader, seg, keys, chunks)
         seg.close()
     alive_and_serving(server)
 
