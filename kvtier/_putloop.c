@@ -2,14 +2,13 @@
  * kvtier.server.put_run; the data plane's Python frame loop is the reference).
  *
  *     bind_hash(path) -> bool
- *     hash(data, piece) -> int
  *     recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)
  *     copy_hash(dst, src, hash_from, piece) -> int   (the shared-memory PUT's copy; below)
  *
  * bind_hash: look up the streaming XXH3_64bits functions (the CPU-dispatched update where
  * there is one) in the already-loaded shared object at `path` (the xxhash package's
  * extension, whose symbols are not global). The rest refuse to run before it succeeded; the
- * caller holds `hash` to xxhash.xxh3_64_intdigest before it relies on the loop.
+ * caller holds `copy_hash` (below) to xxhash.xxh3_64_intdigest before it relies on the loop.
  *
  * recv_puts reads PUT frames from blocking socket fd, the first one's header being head[:have]
  * plus what is still to come, while each is a PUT with no flags but MORE/PARENT whose chunk
@@ -71,35 +70,6 @@ static PyObject *bind_hash(PyObject *self, PyObject *args) {
     xxh_update = (update_fn)update;
     xxh_digest = (digest_fn)digest;
     Py_RETURN_TRUE;
-}
-
-/* hash(data, piece): XXH3_64bits of data, fed to the bound streaming functions piece bytes at
- * a time, as recv_puts feeds them (the caller holds it to xxhash's one-shot digest). */
-static PyObject *hash(PyObject *self, PyObject *args) {
-    Py_buffer data;
-    Py_ssize_t piece;
-    if (!PyArg_ParseTuple(args, "y*n", &data, &piece))
-        return NULL;
-    PyObject *out = NULL;
-    void *st = NULL;
-    if (xxh_create == NULL || piece <= 0) {
-        PyErr_SetString(PyExc_ValueError, "hash: bind_hash has not succeeded, or piece <= 0");
-        goto done;
-    }
-    st = xxh_create();
-    if (st == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    xxh_reset(st);
-    for (Py_ssize_t at = 0; at < data.len; at += piece)
-        xxh_update(st, (char *)data.buf + at, (size_t)(data.len - at < piece ? data.len - at : piece));
-    out = PyLong_FromUnsignedLongLong(xxh_digest(st));
-done:
-    if (st != NULL)
-        xxh_free(st);
-    PyBuffer_Release(&data);
-    return out;
 }
 
 static uint64_t le64(const unsigned char *p) {
@@ -334,7 +304,6 @@ done:
 
 static PyMethodDef methods[] = {
     {"bind_hash", bind_hash, METH_VARARGS, "bind_hash(path) -> bool"},
-    {"hash", hash, METH_VARARGS, "hash(data, piece) -> int: the bound streaming XXH3_64bits of data"},
     {"copy_hash", copy_hash, METH_VARARGS, "copy_hash(dst, src, hash_from, piece) -> int"},
     {"recv_puts", recv_puts, METH_VARARGS,
      "recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)"},
