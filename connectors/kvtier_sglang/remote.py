@@ -27,15 +27,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvtier.cache import PrefixCache
 from kvtier.chunk import HEADER_SIZE, decode_chunk
 from kvtier.errors import ChunkError
 from kvtier.tiers.base import FilledEntry, Miss
 from kvtier.tiers.remote.tier import GrpcTier
 
-from .arena import PageBytes, first_tier_of, only_raw_tier_of, page_framer
+from .arena import PageView, first_tier_of, only_raw_tier_of, page_framer
+from .pages import load_page, page_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def filling_tier(cache: PrefixCache) -> GrpcTier | None:
 
 
 def read_visited(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page_tokens: int,
-                 dst_for: PageBytes) -> int:
+                 dst_for: PageView) -> int:
     """Copy the verified chunks of the leading ``keys`` the grpc tier holds into
     ``dst_for(i)``; returns how many."""
     shape = cache.spec.layout.chunk_shape(page_tokens)
@@ -65,8 +64,7 @@ def read_visited(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page
         except ChunkError as exc:
             refused[i] = exc
             return
-        dst = dst_for(i)
-        np.copyto(dst, np.frombuffer(chunk.payload, np.uint8).reshape(dst.shape))
+        load_page(dst_for(i), chunk.payload)
         copied[i] = True
 
     results = tier.get_visit(keys, visit)
@@ -85,14 +83,14 @@ def read_visited(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page
 
 
 def write_filled(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page_tokens: int,
-                 src_for: PageBytes, depth0: int, parent0: bytes) -> list[bool]:
+                 src_for: PageView, depth0: int, parent0: bytes) -> list[bool]:
     """Store page ``i`` (``src_for(i)``) under ``keys[i]``, framed where the data path sends it
     from; ``keys[i]`` sits at prefix depth ``depth0 + i`` under ``keys[i - 1]`` (``parent0``
     for the first). Per page whether the tier stored it."""
     items = []
     for i, key in enumerate(keys):
         src = src_for(i)
-        items.append(FilledEntry(key, HEADER_SIZE + src.size, page_framer(cache, key, src, page_tokens),
+        items.append(FilledEntry(key, HEADER_SIZE + page_nbytes(src), page_framer(cache, key, src, page_tokens),
                                  depth0 + i, keys[i - 1] if i else parent0))
     stored = tier.put_filled(items)
     metrics = cache.store.metrics

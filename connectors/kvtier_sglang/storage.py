@@ -54,7 +54,7 @@ from kvtier.tiers.base import Entry
 from .arena import leasing_tier, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
-from .pages import PageGeometry, as_bytes, geometry_of, page_slots, page_view
+from .pages import PageGeometry, geometry_of, load_page, page_slots, page_view, save_page
 from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
 from .stats import BackendStats
@@ -173,13 +173,13 @@ class KVTierStorage(HiCacheStorage):
             if tier is not None:
                 # Pages the in-process cpu tier holds: verified in place, one copy (arena.py).
                 pos = read_leased(cache, tier, xkeys, geo.page_tokens,
-                                  lambda i: as_bytes(page_view(geo, buffer, slots[i])))
+                                  lambda i: page_view(geo, buffer, slots[i]))
                 out[:pos] = [True] * pos
             elif remote is not None:
                 # A kvtier-server first: verified where the data path put it, one copy (remote.py);
                 # with no tier below it, its first miss ends the read.
                 pos = read_visited(cache, remote, xkeys, geo.page_tokens,
-                                   lambda i: as_bytes(page_view(geo, buffer, slots[i])))
+                                   lambda i: page_view(geo, buffer, slots[i]))
                 out[:pos] = [True] * pos
                 end = pos if len(cache.store.tiers) == 1 else end
             while pos < end:
@@ -190,8 +190,7 @@ class KVTierStorage(HiCacheStorage):
                 run = cache.load_verified_into(xkeys[pos:hi], [(0, geo.page_tokens)] * len(batch),
                                                batch, pos)
                 for j, payload in enumerate(run.payloads):
-                    dst = as_bytes(page_view(geo, buffer, slots[pos + j]))
-                    np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+                    load_page(page_view(geo, buffer, slots[pos + j]), payload)
                     out[pos + j] = True
                 if len(run.payloads) < len(batch):
                     break
@@ -254,7 +253,7 @@ class KVTierStorage(HiCacheStorage):
             # A single in-process cpu tier: each page is copied into its arena slot and framed
             # there (arena.py), no chunk buffer in between.
             keys = xkeys[first:first + len(views)]
-            n = write_in_place(cache, tier, keys, geo.page_tokens, lambda j: as_bytes(views[j]),
+            n = write_in_place(cache, tier, keys, geo.page_tokens, lambda j: views[j],
                                depth0 + first, xkeys[first - 1] if first else parent0)
             self._track(keys[:n])
             return n
@@ -263,7 +262,7 @@ class KVTierStorage(HiCacheStorage):
             # A single kvtier-server tier: each page is framed in the data path's shared
             # segment and sent at once (remote.py), no chunk buffer in between.
             keys = xkeys[first:first + len(views)]
-            stored = write_filled(cache, remote, keys, geo.page_tokens, lambda j: as_bytes(views[j]),
+            stored = write_filled(cache, remote, keys, geo.page_tokens, lambda j: views[j],
                                   depth0 + first, xkeys[first - 1] if first else parent0)
             self._track([k for k, ok in zip(keys, stored) if ok])
             return sum(stored)
@@ -282,16 +281,15 @@ class KVTierStorage(HiCacheStorage):
             entries = []
             for k in range(n):
                 i = first + j + k
-                src = as_bytes(views[j + k])
+                src = views[j + k]
                 if raw:
-                    body = np.frombuffer(batch[k], np.uint8, count=src.size, offset=HEADER_SIZE)
-                    np.copyto(body.reshape(src.shape), src)
+                    save_page(src, memoryview(batch[k])[HEADER_SIZE:HEADER_SIZE + geo.page_bytes])
                     data = frame_raw_chunk(batch[k], self.namespace, xkeys[i], cache.spec.kv_dtype, shape)
                 else:
-                    scratch = self._scratch_page(src.shape)
-                    np.copyto(scratch, src)
+                    scratch = self._scratch_page(geo.page_bytes)
+                    save_page(src, scratch)
                     data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape,
-                                        scratch.data, codec=cache.codec, shuffle=cache.shuffle)
+                                        scratch, codec=cache.codec, shuffle=cache.shuffle)
                 entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
             accepted += store.store(entries)
             self._track([e.key for e in entries])
@@ -307,10 +305,10 @@ class KVTierStorage(HiCacheStorage):
             self._written.update(keys[:max(room, 0)])
         self.stats.add("untracked_pages", max(len(keys) - max(room, 0), 0))
 
-    def _scratch_page(self, shape: tuple[int, ...]) -> np.ndarray:
+    def _scratch_page(self, nbytes: int) -> bytearray:
         page = getattr(self._local, "page", None)
-        if page is None or page.shape != shape:
-            page = self._local.page = np.empty(shape, np.uint8)
+        if page is None or len(page) != nbytes:
+            page = self._local.page = bytearray(nbytes)
         return page
 
     # --- legacy per-page tensor API (SGLang without interface_v1) ------------------------------
@@ -329,8 +327,7 @@ class KVTierStorage(HiCacheStorage):
             run = cache.load_verified(store_keys(self.namespace, [key]), [(0, geo.page_tokens)])
             if not run.payloads:
                 return None
-            dst = as_bytes(page_view(geo, target.view(geo.buffer_dims(geo.page_tokens)), 0))
-            np.copyto(dst, np.frombuffer(run.payloads[0], np.uint8).reshape(dst.shape))
+            load_page(page_view(geo, target.view(geo.buffer_dims(geo.page_tokens)), 0), run.payloads[0])
         except _FAILURES as exc:
             self._fail("get", 1, exc)
             return None

@@ -18,7 +18,7 @@ import pytest
 import torch
 from fakes import FaultyTier
 from kvtier_sglang import KVTierStorage
-from kvtier_sglang.pages import as_bytes, geometry_of, page_view
+from kvtier_sglang.pages import geometry_of, page_view
 from pools import (
     MHA_LAYOUTS,
     MLA_LAYOUTS,
@@ -95,7 +95,7 @@ def test_page_views_cover_exactly_the_bytes_sglang_names_for_a_page(layout: str,
     host.kv_buffer.zero_()
     slots = host.alloc(2 * PAGE)
     second = slots[PAGE:]
-    as_bytes(page_view(geo, host.kv_buffer, int(second[0])))[...] = 1
+    page_view(geo, host.kv_buffer, int(second[0])).view(torch.uint8).fill_(1)
     ptrs, sizes = host.get_page_buffer_meta(second)
     assert all(ctypes.string_at(p, s) == b"\x01" * s for p, s in zip(ptrs, sizes))
     assert int(host.kv_buffer.view(torch.uint8).count_nonzero()) == sum(sizes) == geo.page_bytes
