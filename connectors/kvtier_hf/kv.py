@@ -12,10 +12,12 @@ Ownership: :func:`kv_payload` returns a fresh buffer the caller owns (the store 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.chunk import Shape
@@ -60,6 +62,16 @@ def _as_tensor(payload: Buf, dtype: torch.dtype, shape: Shape) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=dtype).view(shape)
 
 
+def fresh_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose pages fault in as transparent huge pages where the
+    kernel offers them: numpy's allocator advises ``MADV_HUGEPAGE`` for arrays of 4 MiB and
+    more, torch's does not. The restore writes every byte of fresh KV tensors, and faulting
+    them in 4 KiB at a time cost 3-6x the copy itself here (a 10 MB layer stack: 5.5-6 ms
+    from torch.empty, 0.9-2 ms from np.empty, same copy)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def cache_from_chunks(payloads: Sequence[Buf], shapes: Sequence[Shape], tokens: int,
                       layout: KVLayout, dtype: torch.dtype, config: Any = None,
                       device: torch.device | str = "cpu") -> Any:
@@ -71,7 +83,7 @@ def cache_from_chunks(payloads: Sequence[Buf], shapes: Sequence[Shape], tokens: 
     if tokens <= 0:
         return new_cache(config)
     heads, head_dim = layout.num_kv_heads, layout.head_dim
-    out = torch.empty((layout.num_layers, 2, 1, heads, tokens, head_dim), dtype=dtype)
+    out = fresh_kv((layout.num_layers, 2, 1, heads, tokens, head_dim), dtype)
     pos = 0
     for payload, shape in zip(payloads, shapes):
         take = min(shape[2], tokens - pos)
