@@ -31,6 +31,7 @@ HELP = {
     "disk.capacity_bytes": "bound on the files' total size",
     "disk.policy": "eviction policy: adaptive, prefix, s3fifo or lru",
     "disk.o_direct": "bypass the page cache where the filesystem allows",
+    "disk.read_threads": "reads of one batch in flight at once (an SSD streams more at depth > 1; 1 = one at a time)",
     "redis.enabled": "Redis / Redis Cluster tier (docs/redis.md)",
     "redis.url": "redis://, rediss://, redis+cluster://h1:p1,h2:p2 …",
     "redis.key_prefix": "prefix of every Redis key",

@@ -23,6 +23,11 @@ called a miss, and adopted when found, so a reader sees a writer's new chunks wi
 restart; a file a sharer evicted reads as a miss. A read that races a sharer's reuse of the
 file's blocks fails its checksum: a ``corrupt`` miss, never wrong bytes.
 
+Parallel reads: a batch of several keys is read ``read_threads`` files at a time, from a pool
+the tier owns (closed with it): an NVMe or virtio SSD serves several reads in flight faster
+than one (here 1 MiB O_DIRECT reads: 1.7-1.8 GB/s one at a time, 2.2-2.8 GB/s four at a time),
+and the GIL is released while each thread waits on its ``preadv``. Results keep key order.
+
 Threads: index, policy and byte counts change under the TierBase lock; reads, writes and
 unlinks run outside it (a rename into place racing an eviction of the same key can at worst
 lose that chunk: a later miss). A file being read by this process is never reused.
@@ -36,7 +41,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import DiskTierConfig
@@ -60,6 +67,8 @@ from kvtier.tiers.disk.layout import (
 __all__ = ["ALIGN", "DiskTier", "RebuildStats", "align_up"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class DiskTier(DiskIndex):
@@ -73,6 +82,7 @@ class DiskTier(DiskIndex):
         self.config = config
         self._seq = itertools.count()
         self._scratch = io.Scratch()
+        self._read_pool: ThreadPoolExecutor | None = None  # made on the first batch read
         self.dropped_puts = 0
         self.corrupt_reads = 0
         make_shards(self.root)
@@ -155,30 +165,54 @@ class DiskTier(DiskIndex):
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
         check_keys(keys)
         self._check_open()
-        out: list[bytes | Miss] = []
-        for key in keys:
-            value = self._read(key, None)
-            out.append(value if isinstance(value, Miss) else bytes(value))
-        return out
+
+        def read(key: bytes) -> bytes | Miss:
+            value = self._read(key, None)  # a view of this thread's scratch: copy it out here
+            return value if isinstance(value, Miss) else bytes(value)
+
+        return self._each(read, keys)
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
         check_keys(keys)
         if len(keys) != len(outs):
             raise ValueError(f"get_into got {len(keys)} keys and {len(outs)} buffers")
         self._check_open()
-        results: list[int | Miss] = []
-        for key, out in zip(keys, outs):
+        def read(i: int) -> int | Miss:
+            key, out = keys[i], outs[i]
             value = self._read(key, out)
             if isinstance(value, Miss):
-                results.append(value)
-                continue
+                return value
             n = value.nbytes
             if n > out.nbytes:
                 raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {n}-byte chunk")
             if value.obj is not out.obj:  # read into scratch, not straight into ``out``
                 out[:n] = value
-            results.append(n)
-        return results
+            return n
+
+        return self._each(read, range(len(keys)))
+
+    def _each(self, read: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``read`` of every item in order; several at once from the reader pool when there
+        is more than one and ``read_threads`` allows. The first exception a read raises is
+        raised here, after the other reads have ended."""
+        if len(items) < 2 or self.config.read_threads < 2:
+            return [read(item) for item in items]
+        with self._lock:
+            self._check_open()
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(self.config.read_threads,
+                                                     thread_name_prefix=f"kvtier-{self.name}-read")
+            pool = self._read_pool
+        futures = [pool.submit(read, item) for item in items]
+        wait(futures)  # every read has ended (none still writes into a caller's buffer)
+        return [f.result() for f in futures]
+
+    def _close(self) -> None:
+        super()._close()
+        with self._lock:
+            pool, self._read_pool = self._read_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # --- writes -------------------------------------------------------------------------------
     def put(self, entries: Sequence[Entry]) -> list[bool]:

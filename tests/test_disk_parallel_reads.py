@@ -1,0 +1,95 @@
+"""The disk tier reads a batch several files at a time (``read_threads``): results in key order,
+every miss with its reason, a caller's too-small buffer refused only after every read ended,
+and no reader thread left after ``close``. Real files, O_DIRECT and buffered."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtier.chunk import HEADER_SIZE, page_aligned_buffer
+from kvtier.config import DiskTierConfig
+from kvtier.tiers.base import ABSENT, CORRUPT, EVICTED, Entry, Miss
+from kvtier.tiers.disk import DiskTier
+from tests.contract import chunk_for, key_of
+
+N = 12
+
+
+def open_tier(path: Path, threads: int, direct: bool, name: str = "disk") -> DiskTier:
+    return DiskTier(DiskTierConfig(path=str(path), capacity_bytes=64 << 20, policy="lru",
+                                   o_direct=direct, read_threads=threads), name=name)
+
+
+def file_of(tier: DiskTier, key: bytes) -> Path:
+    return Path(tier.root) / key.hex()[:2] / f"{key.hex()}.kvc"
+
+
+def damaged(tier: DiskTier) -> tuple[list[bytes], list[bytes | Miss]]:
+    """N stored chunks of different sizes, one flipped on disk, one removed behind the
+    tier's back, one never written; the keys and what a read must give for each."""
+    keys = [key_of(f"p{i}") for i in range(N)]
+    chunks = [chunk_for(k, tokens=8 + 40 * i) for i, k in enumerate(keys)]
+    assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * N
+    flipped = file_of(tier, keys[3])
+    data = bytearray(flipped.read_bytes())
+    data[HEADER_SIZE + 5] ^= 0xFF  # in the payload (an O_DIRECT file ends in padding)
+    flipped.write_bytes(bytes(data))
+    file_of(tier, keys[7]).unlink()
+    want: list[bytes | Miss] = list(chunks)
+    want[3], want[7] = Miss(CORRUPT), Miss(EVICTED)
+    return [*keys, key_of("never")], [*want, Miss(ABSENT)]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_batch_get_keeps_key_order_and_every_miss_reason(tmp_path: Path, threads: int, direct: bool) -> None:
+    tier = open_tier(tmp_path, threads, direct)
+    keys, want = damaged(tier)
+    assert tier.get(keys) == want
+    assert tier.check() == []
+    tier.close()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["page_aligned", "bytearray"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_batch_get_into_fills_each_buffer_with_its_own_chunk(tmp_path: Path, threads: int, aligned: bool) -> None:
+    tier = open_tier(tmp_path, threads, direct=True)
+    keys, want = damaged(tier)
+    size = max(len(w) for w in want if isinstance(w, bytes)) + 8192
+    outs = [page_aligned_buffer(size) if aligned else memoryview(bytearray(size)) for _ in keys]
+    got = tier.get_into(keys, outs)
+    for i, (w, g) in enumerate(zip(want, got)):
+        if isinstance(w, Miss):
+            assert g == w, i
+        else:
+            assert g == len(w) and bytes(outs[i][:g]) == w, i
+    tier.close()
+
+
+def test_a_too_small_buffer_is_refused_after_every_read_ended(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, 4, direct=False)
+    keys = [key_of(f"s{i}") for i in range(8)]
+    chunks = [chunk_for(k, tokens=64) for k in keys]
+    assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 8
+    outs = [memoryview(bytearray(len(c))) for c in chunks]
+    outs[2] = memoryview(bytearray(len(chunks[2]) - 1))
+    with pytest.raises(ValueError, match="too small"):
+        tier.get_into(keys, outs)
+    for i in (0, 1, *range(3, 8)):  # the other reads finished before the error was raised
+        assert bytes(outs[i]) == chunks[i], i
+    tier.close()
+
+
+def test_close_leaves_no_reader_thread(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, 4, direct=True, name="closing")
+    keys, _ = damaged(tier)
+    tier.get(keys)
+    name = f"kvtier-{tier.name}-read"
+    assert any(t.name.startswith(name) for t in threading.enumerate())
+    tier.close()
+    assert not any(t.name.startswith(name) for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.get(keys)
