@@ -61,7 +61,7 @@ class DiskTierConfig:
     capacity_bytes: int = field(default=16 * GiB, metadata=value_range(1 * MiB, None, size=True))
     policy: str = DEFAULT_POLICY
     o_direct: bool = True
-    read_threads: int = field(default=4, metadata=value_range(1, 64))
+    read_threads: int = field(default=4, metadata=value_range(1, 16))
 
 
 @dataclass(frozen=True)

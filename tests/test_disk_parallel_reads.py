@@ -1,9 +1,12 @@
 """The disk tier reads a batch several files at a time (``read_threads``): results in key order,
 every miss with its reason, a caller's too-small buffer refused only after every read ended,
-and no reader thread left after ``close``. Real files, O_DIRECT and buffered."""
+one bounded reader pool however many tiers, and a forked child that still reads. Real files,
+O_DIRECT and buffered."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -12,15 +15,15 @@ import pytest
 from kvtier.chunk import HEADER_SIZE, page_aligned_buffer
 from kvtier.config import DiskTierConfig
 from kvtier.tiers.base import ABSENT, CORRUPT, EVICTED, Entry, Miss
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import DiskTier, readers
 from tests.contract import chunk_for, key_of
 
 N = 12
 
 
-def open_tier(path: Path, threads: int, direct: bool, name: str = "disk") -> DiskTier:
+def open_tier(path: Path, threads: int, direct: bool) -> DiskTier:
     return DiskTier(DiskTierConfig(path=str(path), capacity_bytes=64 << 20, policy="lru",
-                                   o_direct=direct, read_threads=threads), name=name)
+                                   o_direct=direct, read_threads=threads))
 
 
 def file_of(tier: DiskTier, key: bytes) -> Path:
@@ -83,13 +86,50 @@ def test_a_too_small_buffer_is_refused_after_every_read_ended(tmp_path: Path) ->
     tier.close()
 
 
-def test_close_leaves_no_reader_thread(tmp_path: Path) -> None:
-    tier = open_tier(tmp_path, 4, direct=True, name="closing")
-    keys, _ = damaged(tier)
-    tier.get(keys)
-    name = f"kvtier-{tier.name}-read"
-    assert any(t.name.startswith(name) for t in threading.enumerate())
+def test_tiers_share_one_bounded_reader_pool(tmp_path: Path) -> None:
+    """A server holds a disk tier per tenant: 40 tiers reading batches at once must not make
+    a thread pool each."""
+    tiers = [open_tier(tmp_path / f"t{i}", 4, direct=False) for i in range(40)]
+    batches = [fill(t, 6, f"t{i}-") for i, t in enumerate(tiers)]
+    errors: list[BaseException] = []
+
+    def reader(t: DiskTier, keys: list[bytes]) -> None:
+        try:
+            for _ in range(5):
+                assert not any(isinstance(v, Miss) for v in t.get(keys))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(t, k)) for t, k in zip(tiers, batches)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    pool = [t for t in threading.enumerate() if t.name.startswith("kvtier-disk-read")]
+    assert 0 < len(pool) <= readers.POOL_THREADS
+    for t in tiers:
+        t.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_reads_batches_with_a_pool_of_its_own(tmp_path: Path) -> None:
+    """The child of a fork inherits the pool's bookkeeping but none of its threads; a batch
+    read there must not wait forever for them."""
+    tier = open_tier(tmp_path, 4, direct=False)
+    keys = fill(tier, 8, "f")
+    assert tier.get(keys) == [chunk_for(k, tokens=64) for k in keys]  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when the batch read completes and is right
+        signal.alarm(20)
+        ok = DiskTier(tier.config).get(keys) == [chunk_for(k, tokens=64) for k in keys]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
     tier.close()
-    assert not any(t.name.startswith(name) for t in threading.enumerate())
-    with pytest.raises(RuntimeError, match="closed"):
-        tier.get(keys)
+
+
+def fill(tier: DiskTier, n: int, prefix: str) -> list[bytes]:
+    keys = [key_of(f"{prefix}{i}") for i in range(n)]
+    assert tier.put([Entry(k, chunk_for(k, tokens=64)) for k in keys]) == [True] * n
+    return keys

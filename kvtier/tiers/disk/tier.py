@@ -23,10 +23,8 @@ called a miss, and adopted when found, so a reader sees a writer's new chunks wi
 restart; a file a sharer evicted reads as a miss. A read that races a sharer's reuse of the
 file's blocks fails its checksum: a ``corrupt`` miss, never wrong bytes.
 
-Parallel reads: a batch of several keys is read ``read_threads`` files at a time, from a pool
-the tier owns (closed with it): an NVMe or virtio SSD serves several reads in flight faster
-than one (here 1 MiB O_DIRECT reads: 1.7-1.8 GB/s one at a time, 2.2-2.8 GB/s four at a time),
-and the GIL is released while each thread waits on its ``preadv``. Results keep key order.
+Parallel reads: a batch of several keys is read ``read_threads`` files at a time, on the
+process's shared reader pool (``readers``: why, and its bounds); results keep key order.
 
 Threads: index, policy and byte counts change under the TierBase lock; reads, writes and
 unlinks run outside it (a rename into place racing an eviction of the same key can at worst
@@ -42,7 +40,6 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from kvtier.chunk import HEADER_SIZE
@@ -63,6 +60,7 @@ from kvtier.tiers.disk.layout import (
     tmp_path,
     write_file,
 )
+from kvtier.tiers.disk.readers import read_all
 
 __all__ = ["ALIGN", "DiskTier", "RebuildStats", "align_up"]
 
@@ -82,7 +80,6 @@ class DiskTier(DiskIndex):
         self.config = config
         self._seq = itertools.count()
         self._scratch = io.Scratch()
-        self._read_pool: ThreadPoolExecutor | None = None  # made on the first batch read
         self.dropped_puts = 0
         self.corrupt_reads = 0
         make_shards(self.root)
@@ -192,27 +189,8 @@ class DiskTier(DiskIndex):
         return self._each(read, range(len(keys)))
 
     def _each(self, read: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``read`` of every item in order; several at once from the reader pool when there
-        is more than one and ``read_threads`` allows. The first exception a read raises is
-        raised here, after the other reads have ended."""
-        if len(items) < 2 or self.config.read_threads < 2:
-            return [read(item) for item in items]
-        with self._lock:
-            self._check_open()
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(self.config.read_threads,
-                                                     thread_name_prefix=f"kvtier-{self.name}-read")
-            pool = self._read_pool
-        futures = [pool.submit(read, item) for item in items]
-        wait(futures)  # every read has ended (none still writes into a caller's buffer)
-        return [f.result() for f in futures]
-
-    def _close(self) -> None:
-        super()._close()
-        with self._lock:
-            pool, self._read_pool = self._read_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """``read`` of every item in order, ``read_threads`` at a time (:mod:`.readers`)."""
+        return read_all(read, items, self.config.read_threads)
 
     # --- writes -------------------------------------------------------------------------------
     def put(self, entries: Sequence[Entry]) -> list[bool]:
