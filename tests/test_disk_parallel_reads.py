@@ -1,7 +1,8 @@
-"""The disk tier reads a batch several files at a time (``read_threads``): results in key order,
-every miss with its reason, a caller's too-small buffer refused only after every read ended,
-one bounded reader pool however many tiers, and a forked child that still reads. Real files,
-O_DIRECT and buffered."""
+"""The disk tier's ``get_into`` reads a batch several files at a time (``read_threads``) when
+its buffers take the bytes directly: results in key order, every miss with its reason, a
+caller's too-small buffer refused only after every read ended, one bounded reader pool however
+many tiers, no pool thread used for buffers that need the scratch path, and a forked child that
+still reads. Real files, O_DIRECT and buffered."""
 
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ def test_tiers_share_one_bounded_reader_pool(tmp_path: Path) -> None:
     errors: list[BaseException] = []
 
     def reader(t: DiskTier, keys: list[bytes]) -> None:
+        outs = [page_aligned_buffer(64 << 10) for _ in keys]
         try:
             for _ in range(5):
-                assert not any(isinstance(v, Miss) for v in t.get(keys))
+                assert not any(isinstance(v, Miss) for v in t.get_into(keys, outs))
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -112,17 +114,42 @@ def test_tiers_share_one_bounded_reader_pool(tmp_path: Path) -> None:
         t.close()
 
 
+def test_unaligned_buffers_under_o_direct_are_read_by_the_caller(tmp_path: Path) -> None:
+    """A buffer O_DIRECT cannot read into goes through a scratch buffer, one per reading
+    thread and as large as its largest chunk: such batches stay on the caller's thread."""
+    tier = open_tier(tmp_path, 4, direct=True)
+    keys = fill(tier, 6, "u")
+    seen: set[str] = set()
+    read = tier._read
+
+    def spy(key: bytes, out: memoryview | None, adopt: bool = True) -> memoryview | Miss:
+        seen.add(threading.current_thread().name)
+        return read(key, out, adopt)
+
+    tier._read = spy  # type: ignore[method-assign]
+    outs = [page_aligned_buffer(80 << 10)[8:] for _ in keys]  # 8 bytes past a page boundary
+    assert tier.get_into(keys, outs) == [len(chunk_for(k, tokens=64)) for k in keys]
+    assert tier.get(keys) == [chunk_for(k, tokens=64) for k in keys]
+    assert seen == {threading.current_thread().name}
+    aligned = [page_aligned_buffer(64 << 10) for _ in keys]
+    assert tier.get_into(keys, aligned) == [len(chunk_for(k, tokens=64)) for k in keys]
+    assert any(name.startswith("kvtier-disk-read") for name in seen)
+    tier.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
 def test_a_forked_child_reads_batches_with_a_pool_of_its_own(tmp_path: Path) -> None:
     """The child of a fork inherits the pool's bookkeeping but none of its threads; a batch
     read there must not wait forever for them."""
     tier = open_tier(tmp_path, 4, direct=False)
     keys = fill(tier, 8, "f")
-    assert tier.get(keys) == [chunk_for(k, tokens=64) for k in keys]  # the parent's pool exists
+    outs = [page_aligned_buffer(64 << 10) for _ in keys]
+    want = [len(chunk_for(k, tokens=64)) for k in keys]
+    assert tier.get_into(keys, outs) == want  # the parent's pool exists
     pid = os.fork()
     if pid == 0:  # the child: exit status 0 when the batch read completes and is right
         signal.alarm(20)
-        ok = DiskTier(tier.config).get(keys) == [chunk_for(k, tokens=64) for k in keys]
+        ok = DiskTier(tier.config).get_into(keys, outs) == want
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

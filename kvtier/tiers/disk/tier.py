@@ -23,8 +23,10 @@ called a miss, and adopted when found, so a reader sees a writer's new chunks wi
 restart; a file a sharer evicted reads as a miss. A read that races a sharer's reuse of the
 file's blocks fails its checksum: a ``corrupt`` miss, never wrong bytes.
 
-Parallel reads: a batch of several keys is read ``read_threads`` files at a time, on the
-process's shared reader pool (``readers``: why, and its bounds); results keep key order.
+Parallel reads: ``get_into`` a batch of several keys whose buffers take the bytes directly
+(page-aligned under O_DIRECT: no scratch buffer in the reading thread) reads ``read_threads``
+files at a time on the process's shared reader pool (``readers``: why, and its bounds);
+results keep key order. ``get`` (the allocating path) reads one file after another.
 
 Threads: index, policy and byte counts change under the TierBase lock; reads, writes and
 unlinks run outside it (a rename into place racing an eviction of the same key can at worst
@@ -39,8 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import DiskTierConfig
@@ -65,8 +66,6 @@ from kvtier.tiers.disk.readers import read_all
 __all__ = ["ALIGN", "DiskTier", "RebuildStats", "align_up"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 class DiskTier(DiskIndex):
@@ -160,20 +159,24 @@ class DiskTier(DiskIndex):
             self._finish(pending)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
+        """One read after another: each lands in this thread's scratch buffer before its bytes
+        are copied out (pool threads would each keep a scratch as large as their largest chunk)."""
         check_keys(keys)
         self._check_open()
-
-        def read(key: bytes) -> bytes | Miss:
-            value = self._read(key, None)  # a view of this thread's scratch: copy it out here
-            return value if isinstance(value, Miss) else bytes(value)
-
-        return self._each(read, keys)
+        out: list[bytes | Miss] = []
+        for key in keys:
+            value = self._read(key, None)
+            out.append(value if isinstance(value, Miss) else bytes(value))
+        return out
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
+        """Several files at a time (``read_threads``) when every buffer can take its file's
+        bytes directly (page-aligned under O_DIRECT), else one after another."""
         check_keys(keys)
         if len(keys) != len(outs):
             raise ValueError(f"get_into got {len(keys)} keys and {len(outs)} buffers")
         self._check_open()
+
         def read(i: int) -> int | Miss:
             key, out = keys[i], outs[i]
             value = self._read(key, out)
@@ -186,11 +189,8 @@ class DiskTier(DiskIndex):
                 out[:n] = value
             return n
 
-        return self._each(read, range(len(keys)))
-
-    def _each(self, read: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``read`` of every item in order, ``read_threads`` at a time (:mod:`.readers`)."""
-        return read_all(read, items, self.config.read_threads)
+        direct = not self.direct or all(io.address(out) % ALIGN == 0 for out in outs)
+        return read_all(read, range(len(keys)), self.config.read_threads if direct else 1)
 
     # --- writes -------------------------------------------------------------------------------
     def put(self, entries: Sequence[Entry]) -> list[bool]:
