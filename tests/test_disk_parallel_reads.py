@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -160,3 +162,36 @@ def fill(tier: DiskTier, n: int, prefix: str) -> list[bytes]:
     keys = [key_of(f"{prefix}{i}") for i in range(n)]
     assert tier.put([Entry(k, chunk_for(k, tokens=64)) for k in keys]) == [True] * n
     return keys
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_pool_threads_run_where_the_first_tier_was_built(tmp_path: Path) -> None:
+    """A vLLM worker builds its store on the cores its forward pass leaves free: the pool's
+    threads must run there, not on the cores of whichever thread reads first. In a fresh
+    process (the pool starts with the first tier)."""
+    script = f"""
+import os, threading
+from kvtier.chunk import page_aligned_buffer
+from kvtier.config import DiskTierConfig
+from kvtier.tiers.base import Entry
+from kvtier.tiers.disk import DiskTier
+from tests.contract import chunk_for, key_of
+everything = os.sched_getaffinity(0)
+spare = {{max(everything)}}
+os.sched_setaffinity(0, spare)               # build the tier on the spare CPU
+tier = DiskTier(DiskTierConfig(path={str(tmp_path)!r}, capacity_bytes=64 << 20, read_threads=4))
+os.sched_setaffinity(0, everything - spare)  # then read from the others
+keys = [key_of(f"a{{i}}") for i in range(8)]
+assert tier.put([Entry(k, chunk_for(k)) for k in keys]) == [True] * 8
+outs = [page_aligned_buffer(64 << 10) for _ in keys]
+assert tier.get_into(keys, outs) == [len(chunk_for(k)) for k in keys]
+pool = [t for t in threading.enumerate() if t.name.startswith("kvtier-disk-read")]
+assert pool and all(os.sched_getaffinity(t.native_id) == spare for t in pool), \\
+    [(t.name, os.sched_getaffinity(t.native_id)) for t in pool]
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -61,7 +61,7 @@ from kvtier.tiers.disk.layout import (
     tmp_path,
     write_file,
 )
-from kvtier.tiers.disk.readers import read_all
+from kvtier.tiers.disk.readers import read_all, start_pool
 
 __all__ = ["ALIGN", "DiskTier", "RebuildStats", "align_up"]
 
@@ -79,6 +79,8 @@ class DiskTier(DiskIndex):
         self.config = config
         self._seq = itertools.count()
         self._scratch = io.Scratch()
+        if config.read_threads > 1:
+            start_pool()  # its threads start on this thread's CPUs (readers.py says why)
         self.dropped_puts = 0
         self.corrupt_reads = 0
         make_shards(self.root)
