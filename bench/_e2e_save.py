@@ -51,7 +51,7 @@ def disk_throughput(b: Any, plain: Any) -> tuple[list[float], list[float], int]:
 def save_only(b: Any) -> dict[str, Any]:
     """The cpu, disk and remote save phases of bench/e2e_vllm.py (same engines, same tiers,
     same paired measurement), nothing else; returns their JSON keys."""
-    from bench.e2e_vllm import server_entries
+    from bench.e2e_vllm import server_stored
     from tests.kvtier_servers import start_server
 
     res: dict[str, Any] = {"quick": b.quick, "save_only": True, "offered_chunks": b.offered_chunks()}
@@ -69,10 +69,10 @@ def save_only(b: Any) -> dict[str, Any]:
             remote = b.replica("remote", {"cpu": {"enabled": False}, "grpc": {
                 "enabled": True, "nodes": [server.address], "timeout_s": 5.0}})
             try:
-                before = server_entries(server)
+                before = server_stored(server)
                 runs["tok_s_on_remote"], runs["tok_s_off_remote_phase"] = b.throughput_pair(plain, remote)
                 time.sleep(1.0)  # let the last queued saves land before counting
-                res["saved_chunks_remote"] = server_entries(server) - before
+                res["saved_chunks_remote"] = server_stored(server) - before
             finally:
                 remote.close()
         finally:
