@@ -239,3 +239,22 @@ def test_evict_listener_gets_the_bytes(tmp_path: Path) -> None:
     d = key_of("d")
     assert tier.put([Entry(d, chunk_for(d))]) == [True]
     assert tier.contains([keys[1], d]) == 2 and tier.check() == []
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_file_longer_than_its_chunk_is_refused_without_reading_it_all(tmp_path: Path, direct: bool) -> None:
+    """A chunk file grown to 256 MiB (a planted or foreign file, sparse here) is a corrupt miss
+    on both read paths, and reading it never grows the reader's scratch buffer past the chunk
+    its header declares (the whole file used to be read into it, every page touched)."""
+    from kvtier.chunk import page_aligned_buffer
+
+    tier = open_tier(tmp_path, capacity=64 * MiB, o_direct=direct)
+    keys = fill(tier, 2, prefix="long")
+    for key in keys:
+        os.truncate(file_of(tier, key), 256 * MiB)
+    assert tier.get(keys[:1]) == [Miss(CORRUPT)]
+    out = page_aligned_buffer(1 * MiB)
+    assert tier.get_into(keys[1:], [out]) == [Miss(CORRUPT)]
+    assert tier._scratch.view.nbytes <= 1 * MiB  # its smallest size: nothing past the chunks
+    assert not any(file_of(tier, k).exists() for k in keys)  # refused files are removed
+    assert tier.check() == []

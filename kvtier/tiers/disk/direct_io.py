@@ -89,7 +89,10 @@ def read_file(fd: int, out: memoryview | None, scratch: Scratch, direct: bool) -
     """(the chunk bytes, the file size): a view of ``out`` when the bytes could go there,
     else of ``scratch``. Bytes go straight into ``out`` where the medium allows: all of the
     file with buffered I/O, its aligned prefix under O_DIRECT when ``out`` is page-aligned.
-    The view is ``header.nbytes`` long but not yet verified (see :func:`verify`)."""
+    The view is ``header.nbytes`` long but not yet verified (see :func:`verify`).
+
+    Nothing past the chunk its header declares is read: a file longer than its chunk (a
+    foreign or planted one) never grows the scratch buffer beyond that chunk."""
     size = os.fstat(fd).st_size
     if size < HEADER_SIZE:
         raise ChunkError("truncated", f"file has {size} bytes")
@@ -99,19 +102,29 @@ def read_file(fd: int, out: memoryview | None, scratch: Scratch, direct: bool) -
         pread_full(fd, out[:head], 0, head)
     if out is not None and head == size:
         view = out[:size]
-    else:
-        rest = size - head
-        buf = scratch.get(align_up(rest))
-        pread_full(fd, buf[: align_up(rest) if direct else rest], head, rest)
-        if out is None or not head:
-            view = buf[:size]
-        else:  # the aligned prefix is in ``out``: complete it there
-            n = min(decode_header(out[:HEADER_SIZE]).nbytes, size)
-            if n > out.nbytes:
-                raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {n}-byte chunk")
-            if n > head:
-                out[head:n] = buf[: n - head]
-            view = out[:n]
+    elif out is not None and head:  # the aligned prefix is in ``out``: complete it there
+        n = min(decode_header(out[:HEADER_SIZE]).nbytes, size)
+        if n > out.nbytes:
+            raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {n}-byte chunk")
+        if n > head:
+            rest = (min(size, align_up(n)) if direct else n) - head
+            buf = scratch.get(align_up(rest))
+            pread_full(fd, buf[: align_up(rest) if direct else rest], head, rest)
+            out[head:n] = buf[: n - head]
+        view = out[:n]
+    else:  # into scratch: its first block says how long the chunk is
+        first = min(size, ALIGN)
+        buf = scratch.get(ALIGN)
+        pread_full(fd, buf[:ALIGN] if direct else buf[:first], 0, first)
+        n = min(decode_header(buf[:HEADER_SIZE]).nbytes, size)
+        total = min(size, align_up(n)) if direct else n
+        if total > first:
+            whole = scratch.get(align_up(total))
+            if whole.obj is not buf.obj:  # scratch grew into a new mapping: bring the first block
+                whole[:first] = buf[:first]
+            pread_full(fd, whole[first: align_up(total) if direct else total], first, total - first)
+            buf = whole
+        view = buf[:total]
     return view[: min(decode_header(view[:HEADER_SIZE]).nbytes, view.nbytes)], size
 
 
