@@ -112,10 +112,10 @@ def read_file(fd: int, out: memoryview | None, scratch: Scratch, direct: bool) -
             pread_full(fd, buf[: align_up(rest) if direct else rest], head, rest)
             out[head:n] = buf[: n - head]
         view = out[:n]
-    else:  # into scratch: its first block says how long the chunk is
-        first = min(size, ALIGN)
+    else:  # into scratch, as much as it holds already; the header says whether more is needed
         buf = scratch.get(ALIGN)
-        pread_full(fd, buf[:ALIGN] if direct else buf[:first], 0, first)
+        first = min(size, buf.nbytes)
+        pread_full(fd, buf[: align_up(first)] if direct else buf[:first], 0, first)
         n = min(decode_header(buf[:HEADER_SIZE]).nbytes, size)
         total = min(size, align_up(n)) if direct else n
         if total > first:
