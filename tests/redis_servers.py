@@ -51,21 +51,36 @@ def _port_free(port: int) -> bool:
         return True
 
 
-_next_port = [20000 + (os.getpid() * 37) % 20000]
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take ports there)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_CLUSTER_BUS_OFFSET = 10000
+_PORT_LOW = 12000
+# Every port handed out, and a cluster node's bus port (port + 10000), lies below the ephemeral
+# range: there, no outgoing connection of this or another test can take the port between the
+# free-check and the server's bind (a bus port at 33960 once lost that race in CI).
+_PORT_HIGH = max(_PORT_LOW + 2000, _ephemeral_low() - _CLUSTER_BUS_OFFSET)
+_next_port = [_PORT_LOW + (os.getpid() * 37) % (_PORT_HIGH - _PORT_LOW)]
 
 
 def free_port(cluster_bus: bool = False) -> int:
     """A loopback port that is free now (and, for cluster nodes, whose bus port +10000 is too).
 
-    Ports are handed out from a per-process moving window rather than from the kernel's
-    ephemeral range, so a cluster node's bus port (port + 10000) stays below 65536 and two
-    test processes rarely race for the same port."""
-    for _ in range(5000):
+    Ports come from a per-process moving window below the kernel's ephemeral range, so no
+    client socket is given one by the kernel, and two test processes rarely race for the
+    same port."""
+    span = _PORT_HIGH - _PORT_LOW
+    for _ in range(span):
         port = _next_port[0]
-        _next_port[0] = 20000 + (port - 20000 + 1) % 25000
+        _next_port[0] = _PORT_LOW + (port - _PORT_LOW + 1) % span
         if port == 6379 or not _port_free(port):
             continue
-        if cluster_bus and not _port_free(port + 10000):
+        if cluster_bus and not _port_free(port + _CLUSTER_BUS_OFFSET):
             continue
         return port
     raise RuntimeError("no free loopback port found")
