@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.redis_servers import free_port
 
 
 class Subscriber:

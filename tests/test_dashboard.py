@@ -29,6 +29,7 @@ from kvtier.server.storage import Storage
 from kvtier.tiers.base import Entry
 from kvtier.tiers.remote import GrpcTier
 from tests.kvtier_servers import ROOT, ServerProc, make_chunk, make_keys, start_server
+from tests.redis_servers import free_port
 
 
 def stats_doc(node: str, ram_used: int = 100, disk_used: int = 300, lookup_hits: dict[str, int] | None = None,
@@ -125,12 +126,6 @@ def test_split_hostport() -> None:
 
 
 # --- the peer fetch against real sockets ----------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_fetch_refused_stalled_and_babbling_peers_are_down_within_the_timeout() -> None:
     stalled = socket.socket()  # accepts (kernel backlog) but never answers

@@ -35,7 +35,7 @@ from kvtier_hf.random_llama import DEMO_SPEC, TEST_SPEC, build_random_llama, ran
 
 from kvtier.config import KVTierConfig  # noqa: E402
 from tests.kvtier_servers import ROOT, ServerProc, start_server  # noqa: E402
-from tests.test_dashboard import free_port  # noqa: E402
+from tests.redis_servers import free_port  # noqa: E402
 from tests.test_usage_e2e import get_json  # noqa: E402
 
 UPDATE = os.environ.get("KVTIER_UPDATE_SCREENSHOT") == "1"

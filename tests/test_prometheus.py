@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from kvtier.tiers.base import Entry
 from kvtier.tiers.remote.errors import NodeError
 from kvtier.tiers.remote.node import NodeClient
 from tests.kvtier_servers import ROOT, ServerProc, make_keys, start_server
+from tests.redis_servers import free_port
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvtier-dashboard.json"
 TOKEN = "prom-test-token-acme-0123456789"
@@ -44,12 +44,6 @@ SCRAPE_S = 1
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus not installed (scripts/test.sh installs it)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(what: str, cond: Callable[[], Any], timeout: float) -> Any:
@@ -97,7 +91,7 @@ def start_prometheus(workdir: Path, jobs: dict[str, list[str]]) -> Prometheus:
     (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     log = workdir / "prometheus.log"
     for _ in range(3):  # the free port may be taken before Prometheus binds it: try another
-        port = _free_port()
+        port = free_port()
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",

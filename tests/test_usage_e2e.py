@@ -23,7 +23,7 @@ from kvtier_hf.random_llama import TEST_SPEC, build_random_llama, random_prompt 
 
 from kvtier.config import KVTierConfig  # noqa: E402
 from tests.kvtier_servers import ServerProc, start_server  # noqa: E402
-from tests.test_dashboard import free_port  # noqa: E402
+from tests.redis_servers import free_port  # noqa: E402
 
 INTERVAL = 0.3
 CHUNK = 16
