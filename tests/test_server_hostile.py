@@ -12,11 +12,16 @@ Real kvtier-server processes on loopback; the attacker speaks the wire protocol 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from kvtier.protocol.frames import (
     ERROR,
@@ -178,3 +183,66 @@ def test_one_lying_peer_does_not_break_the_cluster_page(tmp_path: Path) -> None:
     finally:
         peer.close()
         assert s.stop() == 0, s.log
+
+
+def _set_soft_nofile(pid: int, soft: int) -> None:
+    subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={soft}:"], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
+def test_out_of_descriptors_stalls_new_connections_and_never_ends_the_data_plane(tmp_path: Path) -> None:
+    """A flood of idle connections (here on the HTTP port) can use up the process's open-files
+    limit; accept() on the data port then fails with EMFILE. The data plane must wait and
+    accept again once descriptors are free, never stop accepting for the rest of its life."""
+    s = start_server(tmp_path)
+    try:
+        soft = int(subprocess.run(["prlimit", "--pid", str(s.proc.pid), "--nofile", "--raw", "--noheadings",
+                                   "--output", "SOFT"], check=True, capture_output=True, text=True).stdout)
+        flood: list[socket.socket] = []
+        waiting = None
+        try:
+            _set_soft_nofile(s.proc.pid, len(os.listdir(f"/proc/{s.proc.pid}/fd")) + 2)
+            for _ in range(8):  # more than the descriptors left: the rest wait in the backlog
+                flood.append(socket.create_connection(("127.0.0.1", s.ports["http"]), timeout=5))
+            waiting = socket.create_connection(("127.0.0.1", s.ports["data"]), timeout=10)
+            time.sleep(0.5)  # the data plane's accept() meets EMFILE meanwhile
+        finally:
+            for sock in flood:
+                sock.close()
+            _set_soft_nofile(s.proc.pid, soft)
+        assert waiting is not None
+        with waiting:  # accepted once descriptors are free, and served
+            send_all(waiting, encode_hello(""))
+            assert read_frame(waiting, FrameReader(LIMITS)).type == WELCOME
+        sock, reader = connect(s, "")
+        with sock:
+            key = make_keys(1, seed=8)[0]
+            send_all(sock, encode_put(key, make_chunk(key, 1000)))
+            assert read_frame(sock, reader).type == PUT_REPLY
+        assert "accept failed" in s.log and "open-files limit" in s.log, s.log
+    finally:
+        assert s.stop() == 0, s.log
+
+
+def test_idle_http_peers_cannot_hold_descriptors_or_the_port(server: ServerProc) -> None:
+    """Hundreds of connections to the HTTP port that never send a request: at most
+    MAX_WAITING wait at once (each new one cuts the oldest), so the process's descriptors stay
+    bounded and a scraper that sends its request as it connects is answered at once."""
+    from kvtier.server.http import MAX_WAITING
+
+    fds_before = len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+    idle = []
+    try:
+        for _ in range(4 * MAX_WAITING):
+            idle.append(socket.create_connection(("127.0.0.1", server.ports["http"]), timeout=5))
+        time.sleep(0.3)
+        held = len(os.listdir(f"/proc/{server.proc.pid}/fd")) - fds_before
+        assert held <= MAX_WAITING + 8, held
+        start = time.monotonic()
+        with urllib.request.urlopen(server.http + "/healthz", timeout=5) as r:
+            assert r.status == 200
+        assert time.monotonic() - start < 1.0
+    finally:
+        for sock in idle:
+            sock.close()
+    alive_and_serving(server)

@@ -28,6 +28,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtier import __version__
+from kvtier.server.accept import LoopAcceptErrors, raise_open_files_limit
 from kvtier.server.auth import Authenticator
 from kvtier.server.config import ServerConfig
 from kvtier.server.http import HttpSide
@@ -220,6 +221,8 @@ async def serve(cfg: ServerConfig) -> int:
     server = KVTierServer(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(LoopAcceptErrors())
+    log.info("open-files limit: %d", raise_open_files_limit())
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:

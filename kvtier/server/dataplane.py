@@ -74,6 +74,7 @@ from kvtier.protocol.session import ServerSession, ShmControl
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
+from kvtier.server.accept import Acceptor
 from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
 from kvtier.server.data_get import GetReplier
@@ -138,13 +139,10 @@ class DataPlane:
         return int(sock.getsockname()[1])
 
     def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None
-        while not self._draining:
-            try:
-                sock, peer = listener.accept()
-            except OSError:
-                return  # listener closed (draining)
+        assert self._listener is not None
+        acceptor = Acceptor(self._listener, lambda: self._draining, "data path")
+        while (accepted := acceptor.next()) is not None:
+            sock, peer = accepted
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Conn(sock)
             with self._lock:
@@ -153,7 +151,15 @@ class DataPlane:
             thread = threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-data", daemon=True)
             with self._lock:
                 self._threads.add(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # out of threads: this one connection is refused
+                log.warning("data path %s: connection refused: %s", peer, exc)
+                self.admission.leave(conn)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._threads.discard(thread)
+                sock.close()
 
     def _serve(self, conn: Conn, peer: object) -> None:
         self.metrics.data_connections.inc()

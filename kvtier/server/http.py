@@ -6,7 +6,8 @@ A deliberately tiny HTTP/1.1 responder on the server's asyncio loop (stdlib only
 dependency): GET only, one request per connection, bounded header size and read time.
 It exposes usage figures only (tenant names, bytes, counts), never keys or chunk bytes, and
 needs no token: bind the server to a trusted interface or firewall the port if tenant names
-are sensitive. Handlers are cheap reads of in-memory counters, so they run on the loop.
+are sensitive. At most ``MAX_WAITING`` connections wait for their request at once (a new one
+cuts the oldest), so idle peers cannot hold the process's descriptors. Handlers are cheap reads of in-memory counters, so they run on the loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,11 @@ from kvtier.server import dashboard
 log = logging.getLogger(__name__)
 _MAX_HEAD = 16 << 10
 _READ_TIMEOUT_S = 5.0
+# Connections waiting for their request head at once; a new one cuts the oldest. Each holds a
+# descriptor for up to _READ_TIMEOUT_S: without a cap, idle peers could use up the open-files
+# limit the data path and gRPC need. A real client sends its request as it connects, so a
+# flood of idle peers costs them the race, not a scraper its answer.
+MAX_WAITING = 64
 
 
 class HttpSide:
@@ -37,6 +44,7 @@ class HttpSide:
         self.serving = serving
         self.peers = tuple(peers)
         self._page: bytes | None = None
+        self._waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()  # oldest first; loop only
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -50,7 +58,7 @@ class HttpSide:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
+            head = await self._read_head(reader, writer)
             status, ctype, body = await self._respond(head)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
                 ConnectionError):
@@ -64,6 +72,18 @@ class HttpSide:
             pass
         finally:
             writer.close()
+
+    async def _read_head(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        """The request head, within _READ_TIMEOUT_S. With MAX_WAITING connections already
+        waiting for theirs, the oldest of them is cut first (it gets a 400)."""
+        if len(self._waiting) >= MAX_WAITING:
+            oldest, _ = self._waiting.popitem(last=False)
+            oldest.transport.abort()
+        self._waiting[writer] = None
+        try:
+            return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
+        finally:
+            self._waiting.pop(writer, None)
 
     async def _respond(self, head: bytes) -> tuple[int, str, bytes]:
         if len(head) > _MAX_HEAD:
