@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.protocol.accept import Acceptor
+
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
@@ -97,11 +99,10 @@ class LookupServer:
     def _accept_loop(self) -> None:
         if self._thread_init is not None:
             self._thread_init()  # connection threads inherit this thread's CPU mask
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+        # Out of descriptors (EMFILE) the lookups wait and resume; only close() ends the loop.
+        acceptor = Acceptor(self._sock, lambda: self._closed, "kvtier lookup socket")
+        while (accepted := acceptor.next()) is not None:
+            conn, _ = accepted
             with self._conns_lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kvtier-lookup-conn",

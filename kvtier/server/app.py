@@ -28,9 +28,9 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtier import __version__
-from kvtier.server.accept import LoopAcceptErrors, raise_open_files_limit
 from kvtier.server.auth import Authenticator
 from kvtier.server.config import ServerConfig
+from kvtier.server.fd_limits import LoopAcceptErrors, raise_open_files_limit
 from kvtier.server.http import HttpSide
 from kvtier.server.lower import LowerCollector, store_factory
 from kvtier.server.metrics import ServerMetrics

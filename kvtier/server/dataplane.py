@@ -53,6 +53,7 @@ from functools import partial
 
 import grpc
 
+from kvtier.protocol.accept import Acceptor
 from kvtier.protocol.frames import (
     OP_LOOKUP,
     SHM_OPEN,
@@ -74,7 +75,6 @@ from kvtier.protocol.session import ServerSession, ShmControl
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
-from kvtier.server.accept import Acceptor
 from kvtier.server.admission import Admission, Conn
 from kvtier.server.auth import Authenticator, AuthError
 from kvtier.server.data_get import GetReplier
