@@ -11,7 +11,8 @@
   chunks loaded ``selective_min_hits`` times; ``write_back`` cascades a chunk when tier i evicts it.
 
 Threads: every public method may be called from any thread. ``close`` flushes the queue.
-Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store.
+Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store;
+a tier that raises anyway costs the write-behind its batch (logged, counted `error`), never the thread.
 Listeners (:meth:`TieredStore.listen`) learn which tier took or lost which chunk (KV events).
 """
 
@@ -273,7 +274,14 @@ class TieredStore:
                     return
                 assert isinstance(item, tuple)
                 job: _Job = item
-                self._write_down(*job)
+                try:
+                    self._write_down(*job)
+                except Exception:  # logged with its traceback and counted: see why below
+                    # A tier broke its contract (store trouble is a False, never an exception).
+                    # Without this thread flush() would wait forever, close() on a full queue.
+                    name = self.tiers[job[1]].name
+                    log.exception("write-behind into %s failed; that batch is dropped", name)
+                    self.metrics.dropped_writes.labels(name, "error").inc(len(job[0]))
             finally:
                 self._queue.task_done()
                 self.metrics.queue_depth.set(self._queue.qsize())

@@ -97,6 +97,36 @@ def test_full_queue_drops_writes_and_never_blocks_the_caller() -> None:
         assert a.usage().entries == 10
 
 
+class RaisingTier(MemoryTier):
+    """A tier with a bug: its put raises for the first ``times`` batches (the contract says
+    store trouble is a False per entry, never an exception; this one breaks it)."""
+
+    def __init__(self, name: str, times: int) -> None:
+        super().__init__(name=name)
+        self.times = times
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]:
+        if self.times > 0:
+            self.times -= 1
+            raise RuntimeError("a bug in a tier")
+        return super().put(entries)
+
+
+def test_a_tier_that_raises_costs_its_batch_not_the_writer(caplog: pytest.LogCaptureFixture) -> None:
+    """The write-behind thread outlives a tier's exception: that batch is dropped (counted,
+    logged with its traceback), later batches are written, flush and close return. Before,
+    the thread died: flush waited forever and close blocked on a full queue."""
+    a, buggy = MemoryTier(name="a"), RaisingTier("buggy", times=2)
+    with TieredStore([a, buggy], StoreConfig(queue_depth=2)) as store:
+        for i in range(4):
+            store.store([Entry(bytes([i + 1]) * 32, b"x" * 10)])
+            assert store.flush(5)
+        dropped = store.metrics.registry.get_sample_value(
+            "kvtier_store_dropped_writes_total", {"tier": "buggy", "reason": "error"})
+        assert dropped == 2 and buggy.usage().entries == 2 and a.usage().entries == 4
+    assert "a bug in a tier" in caplog.text
+
+
 def test_write_back_cascades_only_on_eviction() -> None:
     a, b = MemoryTier(capacity_bytes=250, name="a"), MemoryTier(name="b")
     keys, entries = _entries(3)
