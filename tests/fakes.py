@@ -18,6 +18,9 @@ Probabilistic faults draw from a seeded ``random.Random`` (``seed``), so a run i
 verb (a slow medium), ``read_bytes_per_s`` throttles ``get``/``get_into`` to that bandwidth
 (a tier slower than the engine's prefill, for load-or-recompute tests). Faults apply to ``probe``/``contains`` (the run stops at a faulted key),
 ``get`` and ``get_into``. ``calls`` counts verb calls by name; ``injected`` counts faults.
+
+RaisingTier breaks the tier contract on purpose (its put raises, as a bug would), for the
+background writers that must outlive such a tier.
 """
 
 from __future__ import annotations
@@ -175,3 +178,18 @@ class FaultyTier(MemoryTier):
     def delete(self, keys: Sequence[bytes]) -> int:
         self._enter("delete")
         return super().delete(keys)
+
+
+class RaisingTier(MemoryTier):
+    """A tier with a bug: its put raises for the first ``times`` batches (the contract says
+    store trouble is a False per entry, never an exception; this one breaks it)."""
+
+    def __init__(self, name: str, times: int) -> None:
+        super().__init__(name=name)
+        self.times = times
+
+    def put(self, entries: Sequence[Entry]) -> list[bool]:
+        if self.times > 0:
+            self.times -= 1
+            raise RuntimeError("a bug in a tier")
+        return super().put(entries)

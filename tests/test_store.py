@@ -15,6 +15,7 @@ from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 from kvtier.tiers.memory import MemoryTier
+from tests.fakes import RaisingTier
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, chunk_tokens=4)
 SPEC = NamespaceSpec("test-model", LAY)
@@ -95,21 +96,6 @@ def test_full_queue_drops_writes_and_never_blocks_the_caller() -> None:
         assert store.flush(10)
         assert 1 <= slow.usage().entries <= 3
         assert a.usage().entries == 10
-
-
-class RaisingTier(MemoryTier):
-    """A tier with a bug: its put raises for the first ``times`` batches (the contract says
-    store trouble is a False per entry, never an exception; this one breaks it)."""
-
-    def __init__(self, name: str, times: int) -> None:
-        super().__init__(name=name)
-        self.times = times
-
-    def put(self, entries: Sequence[Entry]) -> list[bool]:
-        if self.times > 0:
-            self.times -= 1
-            raise RuntimeError("a bug in a tier")
-        return super().put(entries)
 
 
 def test_a_tier_that_raises_costs_its_batch_not_the_writer(caplog: pytest.LogCaptureFixture) -> None:

@@ -108,6 +108,10 @@ class Saver:
             except (RuntimeError, ValueError, OSError) as exc:
                 log.error("kvtier: saving %s failed: %s", job.spec.req_id, exc)
                 self._stats.add_by("failures_by_reason", "save_error")
+            except Exception:  # a bug: logged with its traceback; the saver must outlive it,
+                # or every later save waits in the queue and their blocks are never freed
+                log.exception("kvtier: saving %s failed", job.spec.req_id)
+                self._stats.add_by("failures_by_reason", "save_error")
             finally:
                 job.release()
                 job.unclaim()  # written to tier 0 (or dropped): no longer in flight

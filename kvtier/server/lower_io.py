@@ -5,6 +5,7 @@ make a request wait on Redis longer than the tier's own deadline.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -12,6 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from kvtier.tiers.base import Entry, Tier
+
+log = logging.getLogger(__name__)
 
 _BATCH_CHUNKS = 64          # chunks per Redis round trip from the writer
 _BATCH_BYTES = 16 << 20     # ... and at most this many bytes
@@ -85,7 +88,11 @@ class WriteThrough:
 
     def _run(self) -> None:
         while (batch := self._take()) is not None:
-            ok = self.tier.put(batch)  # the tier contract: failures are False, never raised
+            try:
+                ok = self.tier.put(batch)  # the tier contract: failures are False, never raised
+            except Exception:  # a tier that breaks it costs this batch, not the thread (logged)
+                log.exception("lower tier %s: a put raised; its batch of %d is dropped", self.tier.name, len(batch))
+                ok = [False] * len(batch)
             with self._cond:
                 self._bytes -= sum(len(e.data) for e in batch)
                 self.counts["written"] += sum(ok)
