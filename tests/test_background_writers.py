@@ -1,7 +1,8 @@
 """The background writers outlive a failure they did not expect: a tier whose put raises (a
-bug: the contract says False per entry) or a save that fails with an unexpected exception
-costs that one batch or job, logged with its traceback and counted; the thread goes on, so
-later work is done and flush/close return. (The store's write-behind has its test in
+bug: the contract says False per entry), a save or a capture that fails with an unexpected
+exception costs that one batch, job or step (logged with its traceback and counted, or
+raised where the caller waits); the thread goes on, so later work is done and flush/close
+return. (The store's write-behind has its test in
 tests/test_store.py.)"""
 
 from __future__ import annotations
@@ -60,3 +61,30 @@ def test_the_vllm_saver_outlives_a_job_that_fails_unexpectedly(caplog: pytest.Lo
     taken = stats.take()
     assert taken is not None and taken.data["failures_by_reason"] == {"save_error": 2}
     assert "saving req-0 failed" in caplog.text and "KeyError" in caplog.text
+
+
+def test_the_vllm_capture_thread_outlives_a_failed_capture() -> None:
+    """A capture that fails with any exception is raised by the step's end_capture; the
+    capture thread lives on, so the next step's captures run (and fail the same way here)
+    instead of waiting forever in its queue."""
+    torch = pytest.importorskip("torch")
+    from kvtier_vllm.copier import CaptureIndex, CpuCopier
+
+    copier = CpuCopier(thread_init=lambda: None)
+    outcomes: list[str] = []
+
+    def step() -> None:
+        # views of the wrong type: a TypeError on the capture thread, not a shape error
+        copier.capture_layer(None, 0, [(CaptureIndex([0], 1), [torch.empty(4)])])  # type: ignore[arg-type]
+        try:
+            copier.end_capture()
+            outcomes.append("no error")
+        except ValueError as exc:
+            outcomes.append(str(exc))
+
+    for _ in range(2):
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive(), "end_capture waits forever: the capture thread died"
+    assert len(outcomes) == 2 and all(o.startswith("capture failed") for o in outcomes), outcomes

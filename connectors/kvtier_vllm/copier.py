@@ -141,8 +141,8 @@ class CpuCopier:
             work = self._captures.get()
             try:
                 work()
-            except (RuntimeError, ValueError, IndexError) as exc:  # a bad shape or block id
-                self._error = exc
+            except Exception as exc:  # a bad shape or block id, or a bug: raised on the
+                self._error = exc        # forward thread (below); this thread must live on
             finally:
                 self._done.release()
 
