@@ -62,9 +62,9 @@ from .usage import BackendUsage
 
 log = logging.getLogger(__name__)
 
-# What a storage call may raise that must not reach SGLang's threads: kvtier's own errors, I/O,
-# bad indices from the caller, a closed store. Anything else is a bug and propagates.
-_FAILURES = (KVTierError, OSError, RuntimeError, ValueError)
+# Failures a storage call expects (one log line each). Nothing reaches SGLang's threads (an
+# exception ends its prefetch or backup thread, L3 off for good): a bug fails the pages too.
+_EXPECTED = (KVTierError, OSError, RuntimeError, ValueError, IndexError)
 # clear() forgets at most this many of our own page keys (~100 MB): memory stays bounded on a
 # long-running server; beyond it, clear() removes the first ones only (logged once).
 _MAX_TRACKED = 1 << 20
@@ -133,7 +133,11 @@ class KVTierStorage(HiCacheStorage):
 
     def _fail(self, verb: str, n: int, exc: BaseException) -> None:
         self.stats.add(f"{verb}_errors")
-        log.warning("kvtier_sglang: %s of %d pages failed: %s: %s", verb, n, type(exc).__name__, exc)
+        if isinstance(exc, _EXPECTED):
+            log.warning("kvtier_sglang: %s of %d pages failed: %s: %s", verb, n, type(exc).__name__, exc)
+        else:
+            log.error("kvtier_sglang: %s of %d pages failed on an unexpected %s (a bug; the pages "
+                      "count as failed)", verb, n, type(exc).__name__, exc_info=exc)
 
     # --- v1: what the controller calls ---------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -145,7 +149,7 @@ class KVTierStorage(HiCacheStorage):
             xkeys = store_keys(self.namespace, keys)
             hit = cache.store.lookup(xkeys)
             hits = hit.hits
-        except _FAILURES as exc:
+        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("exists", len(keys), exc)
             return 0
         if self.usage is not None:
@@ -195,7 +199,7 @@ class KVTierStorage(HiCacheStorage):
                 if len(run.payloads) < len(batch):
                     break
                 pos = hi
-        except _FAILURES as exc:
+        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("get", len(keys), exc)
         done = sum(out)
         seconds, nbytes = time.perf_counter() - t0, done * (self._geo.page_bytes if self._geo else 0)
@@ -224,7 +228,7 @@ class KVTierStorage(HiCacheStorage):
             views = [page_view(geo, buffer, s) for s in slots[present:]]
             accepted = self._store_pages(cache, geo, views, xkeys, present, len(prefix),
                                          parent[0] if parent else b"")
-        except _FAILURES as exc:
+        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("set", len(keys), exc)
             if self.usage is not None:
                 self.usage.on_set_failed(len(keys))
@@ -328,7 +332,7 @@ class KVTierStorage(HiCacheStorage):
             if not run.payloads:
                 return None
             load_page(page_view(geo, target.view(geo.buffer_dims(geo.page_tokens)), 0), run.payloads[0])
-        except _FAILURES as exc:
+        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("get", 1, exc)
             return None
         self.stats.add("pages_read")
@@ -356,7 +360,7 @@ class KVTierStorage(HiCacheStorage):
             xkeys = store_keys(self.namespace, keys)
             views = [page_view(geo, v.reshape(dims), 0) for v in values]
             accepted = self._store_pages(cache, geo, views, xkeys, 0, 0, b"")
-        except _FAILURES as exc:
+        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("set", len(keys), exc)
             return False
         self.stats.wrote(accepted, accepted * geo.page_bytes, 0.0)

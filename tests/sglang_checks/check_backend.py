@@ -228,6 +228,55 @@ def test_a_corrupt_or_failing_tier_never_restores_a_wrong_page() -> None:
     store.close()
 
 
+class BuggyTier(FaultyTier):
+    """Breaks the tier contract while ``buggy``: every verb raises KeyError, as a bug would."""
+
+    buggy = False
+
+    def _bug(self) -> None:
+        if self.buggy:
+            raise KeyError("a bug in a tier")
+
+    def probe(self, *a: Any, **k: Any) -> Any:
+        self._bug()
+        return super().probe(*a, **k)
+
+    def contains(self, *a: Any, **k: Any) -> Any:
+        self._bug()
+        return super().contains(*a, **k)
+
+    def get_into(self, *a: Any, **k: Any) -> Any:
+        self._bug()
+        return super().get_into(*a, **k)
+
+    def put(self, *a: Any, **k: Any) -> Any:
+        self._bug()
+        return super().put(*a, **k)
+
+
+def test_an_unexpected_exception_fails_the_pages_and_never_reaches_sglang(caplog: pytest.LogCaptureFixture) -> None:
+    """An exception SGLang's prefetch or backup thread would die of (here a KeyError from a
+    buggy tier) is a per-page False like any failure, logged with its traceback."""
+    _, host = mha_pools("layer_first")
+    tier = BuggyTier(capacity_bytes=1 << 24)
+    store = TieredStore([tier])
+    be = KVTierStorage(storage_config("layer_first"), {}, store=store)
+    be.register_mem_pool_host(host)
+    keys = keys_for(list(range(2 * PAGE)))
+    src = host.alloc(2 * PAGE)
+    assert all(be.batch_set_v1(keys, src))
+    tier.buggy = True
+    assert be.batch_exists(keys) == 0
+    assert be.batch_get_v1(keys, host.alloc(2 * PAGE)) == [False, False]
+    assert be.batch_set_v1(keys[:1] + keys_for(list(range(100, 100 + PAGE))), src) == [False, False]
+    stats = be.kvtier_stats()
+    assert stats["exists_errors"] == 1 and stats["get_errors"] == 1 and stats["set_errors"] == 1
+    assert "unexpected KeyError" in caplog.text and "a bug in a tier" in caplog.text
+    tier.buggy = False
+    assert be.batch_exists(keys) == 2
+    store.close()
+
+
 def be_keys(be: KVTierStorage, keys: list[str]) -> list[bytes]:
     from kvtier_sglang.namespace import store_keys
 
