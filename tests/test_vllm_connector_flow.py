@@ -172,3 +172,38 @@ def test_failed_chunk_reports_exact_blocks_and_is_saved_again(tmp_path: Path) ->
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+def test_an_async_restore_that_fails_unexpectedly_is_recomputed_not_raised(tmp_path: Path) -> None:
+    """A bug in an async restore (here the fetch raises KeyError) must not come out of
+    get_finished into vLLM's step: the request finishes receiving with its blocks reported
+    as errors, so vLLM recomputes them."""
+    sched, worker, caches = _halves(tmp_path, async_load="always")
+    try:
+        tokens = list(range(7, 7 + 5 * N + 3))
+        r1 = _req("r1", tokens)
+        sched.get_num_new_matched_tokens(r1, 0)
+        sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+        blocks1 = [10, 3, 40, 22, 5, 6]
+        _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}), caches,
+                  write=_fill(blocks1, 100))
+        _wait_saved(worker, 3)
+        r2 = _req("r2", tokens[: 4 * N] + [1, 2, 3])
+        hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
+        assert hit == 2 * C and is_async
+        blocks2 = [50, 51, 12, 13, 14]
+        sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
+
+        def buggy_fetch(spec: Any) -> Any:
+            raise KeyError("a bug in a restore")
+
+        worker._fetch = buggy_fetch
+        _run_step(sched, worker, _output([], {}), caches)
+        end, done = time.monotonic() + 10, set()
+        while "r2" not in done and time.monotonic() < end:
+            time.sleep(0.01)
+            done |= worker.finished(set())
+        assert "r2" in done and worker.take_errors() == set(blocks2[:4])
+    finally:
+        worker.shutdown()
+        sched.shutdown()

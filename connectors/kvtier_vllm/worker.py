@@ -277,6 +277,9 @@ class WorkerSide:
         except (RuntimeError, ValueError, OSError) as exc:
             log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc)
             outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+        except Exception:  # a bug: result() would raise it into vLLM's step; recompute instead
+            log.exception("kvtier: async restore of %s failed", spec.req_id)
+            outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
         finally:
             if res is not None:
                 self.restore_bufs.release(res)  # restore_blocking returned: copies ran (R4)
