@@ -50,7 +50,7 @@ def test_out_of_a_resource_is_waited_out_with_one_warning(code: int, caplog: pyt
         got = acceptor.next()
     assert got is not None and got[1] == "peer"
     got[0].close()
-    assert listener.calls == 6 and acceptor.exhausted == 5
+    assert listener.calls == 6 and acceptor.exhausted.count == 5
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "1 time(s)" in warnings[0].getMessage()  # at the first failure only
 
@@ -60,7 +60,7 @@ def test_a_peer_gone_before_accept_is_skipped(code: int) -> None:
     listener = ScriptedListener([code, code])
     acceptor = Acceptor(listener, lambda: False, "test")  # type: ignore[arg-type]
     got = acceptor.next()
-    assert got is not None and acceptor.exhausted == 0 and listener.calls == 3
+    assert got is not None and acceptor.exhausted.count == 0 and listener.calls == 3
     got[0].close()
 
 

@@ -31,17 +31,36 @@ RETRY_S = 0.05  # wait before trying again when out of a resource (the backlog h
 LOG_EVERY_S = 10.0  # one warning per this many seconds of trouble, with the count so far
 
 
+class ExhaustedCount:
+    """Counts accept() failures for lack of descriptors or memory on one listener and logs
+    one warning per ``LOG_EVERY_S`` with the count so far (a flood fails thousands a second)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self._warned_at = -math.inf
+
+    def record(self, exc: OSError) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._warned_at >= LOG_EVERY_S:
+            self._warned_at = now
+            log.warning("%s: accept failed (%s), %d time(s) so far: new connections wait until "
+                        "descriptors or memory are free; raise the process's open-files limit "
+                        "(ulimit -n, LimitNOFILE=) if this is load, not a flood",
+                        self.what, exc.strerror or exc, self.count)
+
+
 class Acceptor:
     """Accepts from ``listener`` until it is closed or ``draining()`` says so.
 
-    ``exhausted`` counts the accept() calls that failed for lack of descriptors or memory."""
+    ``exhausted.count``: the accept() calls that failed for lack of descriptors or memory."""
 
     def __init__(self, listener: socket.socket, draining: Callable[[], bool], what: str) -> None:
         self.listener = listener
         self.draining = draining
         self.what = what
-        self.exhausted = 0
-        self._warned_at = -math.inf
+        self.exhausted = ExhaustedCount(what)
 
     def next(self) -> tuple[socket.socket, Any] | None:
         """The next connection and its peer address, or None once the listener is closed."""
@@ -54,12 +73,5 @@ class Acceptor:
                 if exc.errno not in EXHAUSTED:
                     log.debug("%s: accept failed, that connection is skipped: %s", self.what, exc)
                     continue
-                self.exhausted += 1
-                now = time.monotonic()
-                if now - self._warned_at >= LOG_EVERY_S:
-                    self._warned_at = now
-                    log.warning("%s: accept failed (%s), %d time(s) so far: new connections wait "
-                                "until descriptors or memory are free; raise the process's "
-                                "open-files limit (ulimit -n, LimitNOFILE=) if this is load, not "
-                                "a flood", self.what, exc.strerror or exc, self.exhausted)
+                self.exhausted.record(exc)
                 time.sleep(RETRY_S)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import resource
-import time
 from typing import Any
 
-from kvtier.protocol.accept import EXHAUSTED, LOG_EVERY_S
+from kvtier.protocol.accept import EXHAUSTED, ExhaustedCount
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +24,14 @@ class LoopAcceptErrors:
     ``LOG_EVERY_S`` instead and hands every other report to the loop's default handler."""
 
     def __init__(self) -> None:
-        self.exhausted = 0
-        self._warned_at = -math.inf
+        self.exhausted = ExhaustedCount("HTTP side")
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        if not (isinstance(exc, OSError) and exc.errno in EXHAUSTED
-                and "accept" in str(context.get("message", ""))):
+        if isinstance(exc, OSError) and exc.errno in EXHAUSTED and "accept" in str(context.get("message", "")):
+            self.exhausted.record(exc)
+        else:
             loop.default_exception_handler(context)
-            return
-        self.exhausted += 1
-        now = time.monotonic()
-        if now - self._warned_at >= LOG_EVERY_S:
-            self._warned_at = now
-            log.warning("HTTP side: accept failed (%s), %d time(s) so far: new connections wait "
-                        "until descriptors or memory are free", exc.strerror or exc, self.exhausted)
 
 
 def raise_open_files_limit() -> int:

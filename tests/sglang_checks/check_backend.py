@@ -201,12 +201,18 @@ def test_failures_are_per_page_false_and_counted_never_none_never_raised() -> No
     assert unregistered.kvtier_stats()["exists_errors"] == 1
 
 
-def test_a_corrupt_or_failing_tier_never_restores_a_wrong_page() -> None:
-    _, host = mha_pools("page_head")
-    tier = FaultyTier(capacity_bytes=1 << 24)
+def backend_over(tier: FaultyTier, layout: str) -> tuple[Any, KVTierStorage, TieredStore]:
+    """A backend over a store of ``tier`` alone, on a fresh ``layout`` host pool."""
+    _, host = mha_pools(layout)
     store = TieredStore([tier])
-    be = KVTierStorage(storage_config("page_head"), {}, store=store)
+    be = KVTierStorage(storage_config(layout), {}, store=store)
     be.register_mem_pool_host(host)
+    return host, be, store
+
+
+def test_a_corrupt_or_failing_tier_never_restores_a_wrong_page() -> None:
+    tier = FaultyTier(capacity_bytes=1 << 24)
+    host, be, store = backend_over(tier, "page_head")
     keys = keys_for(list(range(3 * PAGE)))
     src = host.alloc(3 * PAGE)
     fill_random(host, seed=5)
@@ -233,35 +239,24 @@ class BuggyTier(FaultyTier):
 
     buggy = False
 
-    def _bug(self) -> None:
+
+def _buggy(verb: str) -> Any:
+    def call(self: BuggyTier, *a: Any, **k: Any) -> Any:
         if self.buggy:
             raise KeyError("a bug in a tier")
+        return getattr(FaultyTier, verb)(self, *a, **k)
+    return call
 
-    def probe(self, *a: Any, **k: Any) -> Any:
-        self._bug()
-        return super().probe(*a, **k)
 
-    def contains(self, *a: Any, **k: Any) -> Any:
-        self._bug()
-        return super().contains(*a, **k)
-
-    def get_into(self, *a: Any, **k: Any) -> Any:
-        self._bug()
-        return super().get_into(*a, **k)
-
-    def put(self, *a: Any, **k: Any) -> Any:
-        self._bug()
-        return super().put(*a, **k)
+for _verb in ("probe", "contains", "get_into", "put"):
+    setattr(BuggyTier, _verb, _buggy(_verb))
 
 
 def test_an_unexpected_exception_fails_the_pages_and_never_reaches_sglang(caplog: pytest.LogCaptureFixture) -> None:
     """An exception SGLang's prefetch or backup thread would die of (here a KeyError from a
     buggy tier) is a per-page False like any failure, logged with its traceback."""
-    _, host = mha_pools("layer_first")
     tier = BuggyTier(capacity_bytes=1 << 24)
-    store = TieredStore([tier])
-    be = KVTierStorage(storage_config("layer_first"), {}, store=store)
-    be.register_mem_pool_host(host)
+    host, be, store = backend_over(tier, "layer_first")
     keys = keys_for(list(range(2 * PAGE)))
     src = host.alloc(2 * PAGE)
     assert all(be.batch_set_v1(keys, src))
