@@ -100,32 +100,36 @@ def read_file(fd: int, out: memoryview | None, scratch: Scratch, direct: bool) -
     if out is not None and out.nbytes >= ALIGN and (not direct or address(out) % ALIGN == 0):
         head = min(size, out.nbytes) & (~(ALIGN - 1) if direct else -1)
         pread_full(fd, out[:head], 0, head)
+
+    def chunk_of(first: memoryview) -> tuple[int, int]:
+        """(n, end): the chunk's length by the header in ``first`` (at most the file), and
+        the file offset its read ends at (rounded up to a block under O_DIRECT)."""
+        n = min(decode_header(first[:HEADER_SIZE]).nbytes, size)
+        return n, (min(size, align_up(n)) if direct else n)
+
     if out is not None and head == size:
-        view = out[:size]
+        view, (n, _) = out, chunk_of(out)
     elif out is not None and head:  # the aligned prefix is in ``out``: complete it there
-        n = min(decode_header(out[:HEADER_SIZE]).nbytes, size)
+        view, (n, end) = out, chunk_of(out)
         if n > out.nbytes:
             raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {n}-byte chunk")
         if n > head:
-            rest = (min(size, align_up(n)) if direct else n) - head
+            rest = end - head
             buf = scratch.get(align_up(rest))
             pread_full(fd, buf[: align_up(rest) if direct else rest], head, rest)
             out[head:n] = buf[: n - head]
-        view = out[:n]
     else:  # into scratch, as much as it holds already; the header says whether more is needed
-        buf = scratch.get(ALIGN)
-        first = min(size, buf.nbytes)
-        pread_full(fd, buf[: align_up(first)] if direct else buf[:first], 0, first)
-        n = min(decode_header(buf[:HEADER_SIZE]).nbytes, size)
-        total = min(size, align_up(n)) if direct else n
-        if total > first:
-            whole = scratch.get(align_up(total))
-            if whole.obj is not buf.obj:  # scratch grew into a new mapping: bring the first block
-                whole[:first] = buf[:first]
-            pread_full(fd, whole[first: align_up(total) if direct else total], first, total - first)
-            buf = whole
-        view = buf[:total]
-    return view[: min(decode_header(view[:HEADER_SIZE]).nbytes, view.nbytes)], size
+        view = scratch.get(ALIGN)
+        first = min(size, view.nbytes)
+        pread_full(fd, view[: align_up(first)] if direct else view[:first], 0, first)
+        n, end = chunk_of(view)
+        if end > first:
+            whole = scratch.get(align_up(end))
+            if whole.obj is not view.obj:  # scratch grew into a new mapping: bring the first block
+                whole[:first] = view[:first]
+            pread_full(fd, whole[first: align_up(end) if direct else end], first, end - first)
+            view = whole
+    return view[:n], size
 
 
 def check_header(head: bytes | memoryview, key: bytes, size: int) -> ChunkHeader:
