@@ -155,11 +155,7 @@ class DataPlane:
                 thread.start()
             except RuntimeError as exc:  # out of threads: this one connection is refused
                 log.warning("data path %s: connection refused: %s", peer, exc)
-                self.admission.leave(conn)
-                with self._lock:
-                    self._conns.discard(conn)
-                    self._threads.discard(thread)
-                sock.close()
+                self._forget(conn, thread)
 
     def _serve(self, conn: Conn, peer: object) -> None:
         self.metrics.data_connections.inc()
@@ -180,12 +176,16 @@ class DataPlane:
                 # exception's frames): collect it now, or the mapping waits for the next GC.
                 gc.collect()
                 seg.close()
-            self.admission.leave(conn)  # before close: no shutdown may reach a reused fd
-            with self._lock:
-                self._conns.discard(conn)
-                self._threads.discard(threading.current_thread())
-            conn.sock.close()
+            self._forget(conn, threading.current_thread())
             self.metrics.data_connections.dec()
+
+    def _forget(self, conn: Conn, thread: threading.Thread) -> None:
+        """The connection leaves admission and this plane's sets, then its socket closes."""
+        self.admission.leave(conn)  # before close: no shutdown may reach a reused fd
+        with self._lock:
+            self._conns.discard(conn)
+            self._threads.discard(thread)
+        conn.sock.close()
 
     @staticmethod
     def _send_error(sock: socket.socket, code: int, message: str) -> None:
