@@ -105,12 +105,9 @@ class Saver:
                 job.fence.wait()
                 if not job.dropped:
                     self._save(job)
-            except (RuntimeError, ValueError, OSError) as exc:
-                log.error("kvtier: saving %s failed: %s", job.spec.req_id, exc)
-                self._stats.add_by("failures_by_reason", "save_error")
-            except Exception:  # a bug: logged with its traceback; the saver must outlive it,
-                # or every later save waits in the queue and their blocks are never freed
-                log.exception("kvtier: saving %s failed", job.spec.req_id)
+            except Exception as exc:  # the saver must outlive any: later saves would wait forever
+                log.error("kvtier: saving %s failed: %s", job.spec.req_id, exc,
+                          exc_info=not isinstance(exc, (RuntimeError, ValueError, OSError)))  # a bug
                 self._stats.add_by("failures_by_reason", "save_error")
             finally:
                 job.release()

@@ -274,11 +274,9 @@ class WorkerSide:
             res = self._fetch(spec)
             items, outcome = self._plan(spec, res)
             self.copier.restore_blocking(self.views, items, after)
-        except (RuntimeError, ValueError, OSError) as exc:
-            log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc)
-            outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
-        except Exception:  # a bug: result() would raise it into vLLM's step; recompute instead
-            log.exception("kvtier: async restore of %s failed", spec.req_id)
+        except Exception as exc:  # never out of result() into vLLM's step: recompute instead
+            log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc,
+                      exc_info=not isinstance(exc, (RuntimeError, ValueError, OSError)))  # a bug
             outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
         finally:
             if res is not None:
