@@ -19,8 +19,8 @@ verb (a slow medium), ``read_bytes_per_s`` throttles ``get``/``get_into`` to tha
 (a tier slower than the engine's prefill, for load-or-recompute tests). Faults apply to ``probe``/``contains`` (the run stops at a faulted key),
 ``get`` and ``get_into``. ``calls`` counts verb calls by name; ``injected`` counts faults.
 
-RaisingTier breaks the tier contract on purpose (its put raises, as a bug would), for the
-background writers that must outlive such a tier.
+RaisingTier breaks the tier contract on purpose (chosen verbs raise, as a bug would), for the
+background writers and engine backends that must outlive such a tier.
 """
 
 from __future__ import annotations
@@ -181,15 +181,33 @@ class FaultyTier(MemoryTier):
 
 
 class RaisingTier(MemoryTier):
-    """A tier with a bug: its put raises for the first ``times`` batches (the contract says
-    store trouble is a False per entry, never an exception; this one breaks it)."""
+    """A tier with a bug: the verbs in ``verbs`` raise ``KeyError("a bug in a tier")`` for the
+    next ``times`` calls (-1: every call, until ``times`` is set to 0), where the contract says
+    store trouble is a False or a Miss, never an exception. KeyError: no failure path expects it."""
 
-    def __init__(self, name: str, times: int) -> None:
-        super().__init__(name=name)
+    def __init__(self, name: str = "raising", times: int = -1, verbs: Sequence[str] = ("put",),
+                 capacity_bytes: int = 1 << 30) -> None:
+        super().__init__(capacity_bytes, name=name)
         self.times = times
+        self.verbs = frozenset(verbs)
+
+    def _bug(self, verb: str) -> None:
+        if verb in self.verbs and self.times:
+            self.times -= self.times > 0
+            raise KeyError("a bug in a tier")
+
+    def probe(self, keys: Sequence[bytes]) -> Probe:
+        self._bug("probe")
+        return super().probe(keys)
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        self._bug("contains")
+        return super().contains(keys)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | Miss]:
+        self._bug("get_into")
+        return super().get_into(keys, outs)
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:
-        if self.times > 0:
-            self.times -= 1
-            raise RuntimeError("a bug in a tier")
+        self._bug("put")
         return super().put(entries)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import FaultyTier
+from fakes import FaultyTier, RaisingTier
 from kvtier_sglang import KVTierStorage
 from kvtier_sglang.pages import geometry_of, page_view
 from pools import (
@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from kvtier.errors import ConfigError
 from kvtier.keys import page_hash_seed, page_hashes
 from kvtier.store import TieredStore
+from kvtier.tiers.memory import MemoryTier
 
 PAGE = 4
 
@@ -201,7 +202,7 @@ def test_failures_are_per_page_false_and_counted_never_none_never_raised() -> No
     assert unregistered.kvtier_stats()["exists_errors"] == 1
 
 
-def backend_over(tier: FaultyTier, layout: str) -> tuple[Any, KVTierStorage, TieredStore]:
+def backend_over(tier: MemoryTier, layout: str) -> tuple[Any, KVTierStorage, TieredStore]:
     """A backend over a store of ``tier`` alone, on a fresh ``layout`` host pool."""
     _, host = mha_pools(layout)
     store = TieredStore([tier])
@@ -234,40 +235,22 @@ def test_a_corrupt_or_failing_tier_never_restores_a_wrong_page() -> None:
     store.close()
 
 
-class BuggyTier(FaultyTier):
-    """Breaks the tier contract while ``buggy``: every verb raises KeyError, as a bug would."""
-
-    buggy = False
-
-
-def _buggy(verb: str) -> Any:
-    def call(self: BuggyTier, *a: Any, **k: Any) -> Any:
-        if self.buggy:
-            raise KeyError("a bug in a tier")
-        return getattr(FaultyTier, verb)(self, *a, **k)
-    return call
-
-
-for _verb in ("probe", "contains", "get_into", "put"):
-    setattr(BuggyTier, _verb, _buggy(_verb))
-
-
 def test_an_unexpected_exception_fails_the_pages_and_never_reaches_sglang(caplog: pytest.LogCaptureFixture) -> None:
     """An exception SGLang's prefetch or backup thread would die of (here a KeyError from a
     buggy tier) is a per-page False like any failure, logged with its traceback."""
-    tier = BuggyTier(capacity_bytes=1 << 24)
+    tier = RaisingTier("buggy", times=0, verbs=("probe", "contains", "get_into", "put"), capacity_bytes=1 << 24)
     host, be, store = backend_over(tier, "layer_first")
     keys = keys_for(list(range(2 * PAGE)))
     src = host.alloc(2 * PAGE)
     assert all(be.batch_set_v1(keys, src))
-    tier.buggy = True
+    tier.times = -1  # every verb raises from now on
     assert be.batch_exists(keys) == 0
     assert be.batch_get_v1(keys, host.alloc(2 * PAGE)) == [False, False]
     assert be.batch_set_v1(keys[:1] + keys_for(list(range(100, 100 + PAGE))), src) == [False, False]
     stats = be.kvtier_stats()
     assert stats["exists_errors"] == 1 and stats["get_errors"] == 1 and stats["set_errors"] == 1
     assert "unexpected KeyError" in caplog.text and "a bug in a tier" in caplog.text
-    tier.buggy = False
+    tier.times = 0
     assert be.batch_exists(keys) == 2
     store.close()
 
