@@ -64,30 +64,45 @@ def _wait_saved(worker: Any, n: int) -> None:
     assert worker.store.tiers[0].usage().entries >= n
 
 
+TOKENS = list(range(7, 7 + 5 * N + 3))  # 83 tokens: 2 full chunks + a tail
+BLOCKS1, BLOCKS2 = [10, 3, 40, 22, 5, 6], [50, 51, 12, 13, 14]
+
+
+def _save_r1(sched: Any, worker: Any, caches: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    """r1 (TOKENS) scheduled whole into BLOCKS1, its KV written, its 3 chunks stored:
+    (r1's lookup, the step's connector metadata)."""
+    r1 = _req("r1", TOKENS)
+    lookup = sched.get_num_new_matched_tokens(r1, 0)
+    sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    meta, _, _ = _run_step(sched, worker, _output([(r1, BLOCKS1, 0)], {"r1": len(TOKENS)}),
+                           caches, write=_fill(BLOCKS1, 100))
+    _wait_saved(worker, 3)
+    return lookup, meta
+
+
+def _hit_r2(sched: Any) -> tuple[int, bool]:
+    """r2: r1's 2 full chunks and another tail, its hit allocated into BLOCKS2: (hit, is_async)."""
+    r2 = _req("r2", TOKENS[: 4 * N] + [1, 2, 3])
+    hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
+    sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (BLOCKS2,)), hit)
+    return hit, is_async
+
+
 @pytest.mark.parametrize("async_load", ["never", "always"])
 def test_saved_prefix_is_restored_exactly_into_other_blocks(tmp_path: Path, async_load: str) -> None:
     sched, worker, caches = _halves(tmp_path, async_load=async_load)
     try:
-        tokens = list(range(7, 7 + 5 * N + 3))  # 83 tokens: 2 full chunks + a tail
-        r1 = _req("r1", tokens)
-        assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
-        sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
-        blocks1 = [10, 3, 40, 22, 5, 6]
-        meta, _, _ = _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}),
-                               caches, write=_fill(blocks1, 100))
+        lookup, meta = _save_r1(sched, worker, caches)
+        assert lookup == (0, False)
         # Two full chunks, and the block past them as a partial chunk (tests/test_vllm_partial.py).
         assert [(s.start_chunk, s.end_chunk, s.partial) for s in meta.saves] == [(0, 2, False), (2, 3, True)]
-        _wait_saved(worker, 3)
         time.sleep(0.05)
         _run_step(sched, worker, _output([], {}), caches)  # the next step carries the feedback
         events = sched.take_events()  # BlockStored per chunk, for prefix-aware routers
         assert [e.block_size for e in events] == [C, C] and events[1].parent_block_hash == events[0].block_hashes[0]
 
-        r2 = _req("r2", tokens[: 4 * N] + [1, 2, 3])  # same 2 chunks, different tail
-        hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
+        hit, is_async = _hit_r2(sched)
         assert hit == 2 * C and is_async == (async_load == "always")
-        blocks2 = [50, 51, 12, 13, 14]
-        sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
         meta, errors, out = _run_step(sched, worker, _output([], {}), caches)
         assert len(meta.loads) == 1 and not errors
         if is_async:
@@ -98,7 +113,7 @@ def test_saved_prefix_is_restored_exactly_into_other_blocks(tmp_path: Path, asyn
                 done |= worker.finished(set())
             assert "r2" in done and not worker.take_errors()
         for name, t in caches.items():
-            assert torch.equal(t[blocks2[:4]], t[blocks1[:4]]), name
+            assert torch.equal(t[BLOCKS2[:4]], t[BLOCKS1[:4]]), name
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -180,19 +195,9 @@ def test_an_async_restore_that_fails_unexpectedly_is_recomputed_not_raised(tmp_p
     as errors, so vLLM recomputes them."""
     sched, worker, caches = _halves(tmp_path, async_load="always")
     try:
-        tokens = list(range(7, 7 + 5 * N + 3))
-        r1 = _req("r1", tokens)
-        sched.get_num_new_matched_tokens(r1, 0)
-        sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
-        blocks1 = [10, 3, 40, 22, 5, 6]
-        _run_step(sched, worker, _output([(r1, blocks1, 0)], {"r1": len(tokens)}), caches,
-                  write=_fill(blocks1, 100))
-        _wait_saved(worker, 3)
-        r2 = _req("r2", tokens[: 4 * N] + [1, 2, 3])
-        hit, is_async = sched.get_num_new_matched_tokens(r2, 0)
+        _save_r1(sched, worker, caches)
+        hit, is_async = _hit_r2(sched)
         assert hit == 2 * C and is_async
-        blocks2 = [50, 51, 12, 13, 14]
-        sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
 
         def buggy_fetch(spec: Any) -> Any:
             raise KeyError("a bug in a restore")
@@ -203,7 +208,7 @@ def test_an_async_restore_that_fails_unexpectedly_is_recomputed_not_raised(tmp_p
         while "r2" not in done and time.monotonic() < end:
             time.sleep(0.01)
             done |= worker.finished(set())
-        assert "r2" in done and worker.take_errors() == set(blocks2[:4])
+        assert "r2" in done and worker.take_errors() == set(BLOCKS2[:4])
     finally:
         worker.shutdown()
         sched.shutdown()
