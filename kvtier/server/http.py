@@ -7,7 +7,8 @@ dependency): GET only, one request per connection, bounded header size and read 
 It exposes usage figures only (tenant names, bytes, counts), never keys or chunk bytes, and
 needs no token: bind the server to a trusted interface or firewall the port if tenant names
 are sensitive. At most ``MAX_WAITING`` connections wait for their request at once (a new one
-cuts the oldest), so idle peers cannot hold the process's descriptors. Handlers are cheap reads of in-memory counters, so they run on the loop.
+cuts the oldest), so idle peers cannot hold the process's descriptors. Handlers are cheap
+reads of in-memory counters, so they run on the loop.
 """
 
 from __future__ import annotations
