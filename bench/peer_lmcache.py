@@ -42,9 +42,9 @@ def lmcache_python() -> str | None:
 
 def start_server(python: str) -> tuple[subprocess.Popen[bytes], int]:
     """LMCache's server on a free loopback port; the caller terminates it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.redis_servers import free_port  # below the ephemeral range: see its docstring
+
+    port = free_port()
     proc = subprocess.Popen([python, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
