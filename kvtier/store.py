@@ -276,9 +276,7 @@ class TieredStore:
                 job: _Job = item
                 try:
                     self._write_down(*job)
-                except Exception:  # logged with its traceback and counted: see why below
-                    # A tier broke its contract (store trouble is a False, never an exception).
-                    # Without this thread flush() would wait forever, close() on a full queue.
+                except Exception:  # a tier broke its contract; without this thread, flush() and close() hang
                     name = self.tiers[job[1]].name
                     log.exception("write-behind into %s failed; that batch is dropped", name)
                     self.metrics.dropped_writes.labels(name, "error").inc(len(job[0]))
