@@ -25,6 +25,9 @@ alone (bench/_e2e_save.py), to measure a change of the save path in a few minute
                          with vLLM's prefix cache holding it, in ms (median of the paired
                          differences; min/median/max in restore_fixed_ms_pairs; bench/_e2e_fixed.py)
     batch_save_overhead, batch_warm_speedup  a concurrent prefix-heavy batch (bench/_e2e_batch.py)
+    slow_tier_ttft_ratio  TTFT with kvtier over a tier 4x slower than recompute / without kvtier
+                         (median of paired reps; kvtier's default load decision must recompute;
+                         bench/_e2e_slow_tier.py; ``--slow-tier-only`` runs this phase alone)
 
 TTFT ratios are paired too: each rep times the floor (vLLM's own prefix-cache hit) and then the
 warm restore of the same prefix on the same engine seconds apart, and ``warm_overhead_ratio`` /
@@ -67,6 +70,7 @@ from kvtier_hf.random_llama import TinyLlamaSpec  # noqa: E402
 from bench._e2e_batch import batch_phase  # noqa: E402
 from bench._e2e_fixed import fixed_ms, one_chunk_restores  # noqa: E402
 from bench._e2e_save import disk_throughput, pair_line, pair_ratios, save_only  # noqa: E402
+from bench._e2e_slow_tier import slow_tier_phase  # noqa: E402
 from bench._stats import fmt, median  # noqa: E402
 from tests.vllm_model import build_model, random_tokens  # noqa: E402
 from tests.vllm_replica import Replica  # noqa: E402
@@ -176,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cpu.close()
     tput_disk, tput_off_disk, saved_disk = disk_throughput(b, plain)
     res.update(batch_phase(b, plain))
+    res.update(slow_tier_phase(b, plain))
     print(f"TTFT cold (no kvtier)              {fmt(cold, 's', 3)}")
     print(f"TTFT suffix only, plain engine     {fmt(floor_plain, 's', 3)}")
     print(f"TTFT suffix only, cpu-tier engine  {fmt(floor_cpu, 's', 3)}")
@@ -306,6 +311,19 @@ def server_stored(server: Any) -> int:
     return sum(int(t.get("entries", 0)) + int(t.get("evictions", 0)) for t in doc.get("tenants", []))
 
 
+def _slow_tier_only(args: argparse.Namespace) -> dict[str, Any]:
+    b = Bench(args)
+    print(f"model: {b.spec}; slow-tier phase only; {b.reps} reps")
+    plain = b.replica("plain", None)
+    try:
+        res = slow_tier_phase(b, plain)
+    finally:
+        plain.close()
+    if not args.workdir:
+        shutil.rmtree(b.work, ignore_errors=True)
+    return res
+
+
 def _save_only(args: argparse.Namespace) -> dict[str, Any]:
     b = Bench(args)
     print(f"model: {b.spec}; save phases only; {b.tput_reps} pairs each")
@@ -324,6 +342,8 @@ def main() -> None:
                     help="adjacent (saving, off) throughput pairs per save ratio")
     ap.add_argument("--save-only", action="store_true",
                     help="only the three save-throughput phases (bench/_e2e_save.py)")
+    ap.add_argument("--slow-tier-only", action="store_true",
+                    help="only the slow-tier phase (bench/_e2e_slow_tier.py)")
     ap.add_argument("--workdir", default="", help="keep model, logs and server data here")
     args = ap.parse_args()
     if args.reps is None:
@@ -332,7 +352,7 @@ def main() -> None:
         args.reps = 7 if args.quick else 5
     if args.reps < 1 or args.tput_reps < 1:
         ap.error("--reps and --tput-reps must be >= 1")
-    res = run(args) if not args.save_only else _save_only(args)
+    res = _save_only(args) if args.save_only else _slow_tier_only(args) if args.slow_tier_only else run(args)
     print(json.dumps(res))
 
 
