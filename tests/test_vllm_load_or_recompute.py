@@ -54,7 +54,11 @@ class Pair:
         try:
             self.kv = Replica({**common, "connector_module": "tests.vllm_throttled",
                                "env": {CONTROL_ENV: str(self.control)},
-                               "kvtier": {"chunk_tokens": CHUNK, "vllm": {"reprobe_s": REPROBE_S}}},
+                               # probe_share 1: a probe every REPROBE_S whatever it costs, so the
+                               # test's timing does not hang on this machine's prefill speed (the
+                               # cost-bounded period is tests/test_vllm_loadplan.py's).
+                               "kvtier": {"chunk_tokens": CHUNK,
+                                          "vllm": {"reprobe_s": REPROBE_S, "probe_share": 1.0}}},
                               root / "throttled.log", timeout_s=900)
         except BaseException:
             self.plain.close()

@@ -82,10 +82,29 @@ def test_unmeasured_tiers_use_priors() -> None:
 
 
 def test_stale_slow_tier_is_probed_with_one_chunk() -> None:
-    stale = TierCost(SLOW.fixed_s, SLOW.s_per_byte, stale=True)
+    stale = TierCost(SLOW.fixed_s, SLOW.s_per_byte, age_s=10.0)
     d = plan([("cpu", 2), ("disk", 6)], start=0, usable=8 * C, chunk_tokens=C, chunk_bytes=CB,
              costs=costs(cpu=FAST, disk=stale))
     assert (d.end, d.skipped, d.probe) == (3 * C, 5 * C, "disk")
+    fresh = TierCost(SLOW.fixed_s, SLOW.s_per_byte, age_s=9.9)  # measured under reprobe_s ago
+    d = plan([("cpu", 2), ("disk", 6)], start=0, usable=8 * C, chunk_tokens=C, chunk_bytes=CB,
+             costs=costs(cpu=FAST, disk=fresh))
+    assert (d.end, d.probe) == (2 * C, "")
+
+
+def test_a_costly_probe_waits_until_probes_fit_their_share_of_the_time() -> None:
+    # One chunk of this tier costs ~1.05 s more than recomputing its tokens: at a 2 % share,
+    # it is probed once its newest sample is ~52 s old, not after reprobe_s (10 s).
+    crawl = 1 / 1e6
+    extra = 2e-3 + CB * crawl - C * RATE
+    for age, probed in ((10.0, False), (extra / 0.02 - 0.5, False), (extra / 0.02 + 0.5, True)):
+        d = plan([("grpc", 4)], start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB,
+                 costs=costs(grpc=TierCost(2e-3, crawl, age_s=age)))
+        assert (d.probe == "grpc") is probed, (age, d)
+    # probe_share 1.0: every reprobe_s whatever a probe costs (under reprobe_s itself).
+    d = plan([("grpc", 4)], start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB,
+             costs=Costs(RATE, {"grpc": TierCost(2e-3, crawl, age_s=10.0)}, probe_share=1.0))
+    assert (d.end, d.probe) == (C, "grpc")
 
 
 def test_tier_fit_separates_fixed_cost_from_bandwidth() -> None:
@@ -139,15 +158,18 @@ def test_cost_model_learns_a_slow_tier_and_stops_loading_it() -> None:
     model.observe_load({"faulty": 4}, 4 * CB, 0.5, now=1.5)   # 8 MB/s
     later = model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=2.0)
     assert (later.end, later.skipped, later.probe) == (0, 4 * C, "")
-    # After reprobe_s without a sample the tier is probed once, then not again at once.
-    probe = model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=7.0)
+    # A probe costs ~0.13 s more than recomputing its chunk: due once the newest sample is
+    # max(reprobe_s, 0.13 s / 2 %) ~ 6.4 s old. Probed once, then not again at once.
+    wait = model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=7.0)
+    assert (wait.end, wait.probe) == (0, "")
+    probe = model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=8.0)
     assert (probe.end, probe.probe) == (C, "faulty")
-    again = model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=7.1)
+    again = model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=8.1)
     assert again.end == 0
     # The tier got fast: the probe's sample brings the whole hit back.
-    for t in (7.2, 7.3, 7.4):
+    for t in (8.2, 8.3, 8.4):
         model.observe_load({"faulty": 1}, CB, 1e-4, now=t)
-    assert model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=8.0).end == 4 * C
+    assert model.decide(runs, start=0, usable=4 * C, chunk_tokens=C, chunk_bytes=CB, now=9.0).end == 4 * C
 
 
 def test_restore_wait_is_not_a_prefill_sample() -> None:

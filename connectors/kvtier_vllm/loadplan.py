@@ -17,8 +17,12 @@ Decision (``plan``): the hit is a sequence of runs (tier, chunks) in prefix orde
 run the saving grows or shrinks linearly with its length, so the best cut is at a run end (or
 before the run): ``plan`` takes the run end with the largest estimated saving, none if loading
 saves nothing. A tier judged too slow is no longer read and so no longer measured: once its
-newest sample is ``reprobe_s`` old, one chunk of it is loaded again (a probe) to see whether it
-got faster.
+newest sample is old enough, one chunk of it is loaded again (a probe) to see whether it got
+faster. A probe of a tier still slow costs the request it rides on that chunk's load time less
+its recompute time, so "old enough" is at least ``reprobe_s`` and at least that cost divided by
+``probe_share``: probes of a slow tier take at most that share of the time (a chunk 3 s slower
+than recompute is probed every 150 s, not every 10 s: on a ~11 s prefill a 10 s period put a
+probe in every request, 1.21x TTFT, bench/e2e_vllm.py ``slow_tier_ttft_ratio``).
 
 ``plan`` and the fits are pure (no I/O, no engine, no clock: callers pass ``now``).
 ``CostModel`` holds the worker's estimates and is thread-safe: the worker's forward thread feeds
@@ -38,6 +42,7 @@ TIER_PRIORS: Mapping[str, tuple[float, float]] = {
     "gpu": (5e-5, 2e10), "cpu": _FAST, "memory": _FAST, "disk": (5e-4, 2e9)}
 OTHER_TIER_PRIOR = (2e-3, 1e9)  # remote tiers (grpc, redis) and any other
 PREFILL_PRIOR_TOKENS_PER_S = 5000.0
+PROBE_SHARE = 0.02        # probes of a slow tier cost at most this share of the time between them
 SMALL_STEP_TOKENS = 32    # a step this small is mostly per-step overhead (decode)
 LARGE_STEP_TOKENS = 128   # a step this large measures the per-token cost
 OUTLIER_FACTOR = 3.0      # one sample moves a fit by at most this times its prediction
@@ -129,7 +134,7 @@ class PrefillFit:
 class TierCost:
     fixed_s: float
     s_per_byte: float
-    stale: bool = False   # judged by old samples only: due for a probe if it is skipped
+    age_s: float = 0.0    # since its newest sample (or probe); 0 for a tier never measured
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,13 @@ class Costs:
 
     s_per_token: float
     tiers: Mapping[str, TierCost]
+    reprobe_s: float = 10.0
+    probe_share: float = PROBE_SHARE
+
+    def probe_due(self, cost: TierCost, extra_s: float) -> bool:
+        """Whether a skipped tier measured ``cost.age_s`` ago is probed, when the probe adds
+        ``extra_s`` seconds to the request should the tier still be as slow as estimated."""
+        return cost.age_s > 0 and cost.age_s >= max(self.reprobe_s, extra_s / self.probe_share)
 
     def tier(self, name: str) -> TierCost:
         got = self.tiers.get(name)
@@ -183,12 +195,13 @@ def plan(runs: Sequence[tuple[str, int]], *, start: int, usable: int, chunk_toke
         if gain > best_gain:
             best_end, best_gain, best_load = b, gain, load
     next_tier = _tier_at(runs, best_end // c) if best_end < usable else ""
-    if next_tier and costs.tier(next_tier).stale:
+    if next_tier:
         probe_end = min(usable, (best_end // c + 1) * c)
         cost = costs.tier(next_tier)
-        load_s = best_load + cost.fixed_s + chunk_bytes * cost.s_per_byte
-        return LoadDecision(probe_end, usable - probe_end, load_s,
-                            (probe_end - start) * costs.s_per_token, next_tier)
+        probe_s = cost.fixed_s + chunk_bytes * cost.s_per_byte
+        if costs.probe_due(cost, probe_s - (probe_end - best_end) * costs.s_per_token):
+            return LoadDecision(probe_end, usable - probe_end, best_load + probe_s,
+                                (probe_end - start) * costs.s_per_token, next_tier)
     return LoadDecision(best_end, usable - best_end, best_load, (best_end - start) * costs.s_per_token)
 
 
@@ -208,8 +221,10 @@ class CostModel:
     forward thread."""
 
     def __init__(self, reprobe_s: float = 10.0,
-                 prefill_prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S) -> None:
+                 prefill_prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S,
+                 probe_share: float = PROBE_SHARE) -> None:
         self.reprobe_s = reprobe_s
+        self.probe_share = probe_share
         self.prefill = PrefillFit(prefill_prior_tokens_per_s)
         self._tiers: dict[str, TierFit] = {}
         self._lock = threading.Lock()
@@ -259,8 +274,8 @@ class CostModel:
             tiers = {}
             for name, fit in self._tiers.items():
                 fixed, per_byte = fit.params()
-                tiers[name] = TierCost(fixed, per_byte, fit.n > 0 and now - fit.last >= self.reprobe_s)
-            return Costs(self.prefill.per_token, tiers)
+                tiers[name] = TierCost(fixed, per_byte, max(now - fit.last, 1e-9) if fit.n > 0 else 0.0)
+            return Costs(self.prefill.per_token, tiers, self.reprobe_s, self.probe_share)
 
     def decide(self, runs: Sequence[tuple[str, int]], *, start: int, usable: int, chunk_tokens: int,
                chunk_bytes: int, now: float) -> LoadDecision:

@@ -48,6 +48,8 @@ class VllmSettings:
     # loadplan.py); "always": load every hit.
     load_decision: str = field(default="auto", metadata={"choices": ("auto", "always")})
     reprobe_s: float = field(default=10.0, metadata=_rng(0, 86400))  # re-measure a skipped tier
+    # ... no more often than keeps its probes' cost within this share of the time (loadplan.py)
+    probe_share: float = field(default=0.02, metadata=_rng(1e-4, 1))
     prefill_prior_tokens_per_s: float = field(default=5000.0, metadata=_rng(1, None))  # until measured
     prefetch_max_bytes: int = field(default=1 * GiB, metadata=_rng(0, None, size=True))
     prefetch_workers: int = field(default=2, metadata=_rng(1, 64))

@@ -98,7 +98,8 @@ class WorkerSide:
                                           self.cfg.hash)
         self.chunk_shape = self.base_spec.layout.chunk_shape(self.chunk)
         self.chunk_bytes = int(np.prod(self.chunk_shape)) * first.element_size()
-        self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s)
+        self.costs = CostModel(self.settings.reprobe_s, self.settings.prefill_prior_tokens_per_s,
+                               self.settings.probe_share)
         self.metrics = Metrics(label_values=self.cfg.metrics_label_values)
         self.cmetrics = ConnectorMetrics(self.metrics)
         # vLLM's CPU worker binds its compute thread(s) to some cores; kvtier's threads would
