@@ -7,7 +7,9 @@ pre-touched arena evicting for itself; a lazy arena (``CpuTier(..., lazy=True)``
 kvtier-server builds) where the pool sheds the putting tenant's own chunks first
 (``shed(reuse=True)``: the slot keeps its pages); and a lazy arena where the pages go back to
 the OS before the put (``shed()``: what another tenant's put costs, a fault and zeroing per
-page). Figures are GiB/s over --reps runs, min/median/max; the last line is one JSON object.
+page). The last case again with 4 MiB slots (the server's default), the arena on small pages
+and on transparent huge pages (``cpu.huge_pages``): ``fresh_huge_vs_small_4mib``. Figures are GiB/s over --reps runs, min/median/max;
+the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ from kvtier.tiers.cpu import CpuTier
 SLOT = 1 << 20
 
 
-def one_run(slots: int, lazy: bool, shed: bool, reuse: bool) -> float:
-    data = bytes(range(256)) * (SLOT // 256)
+def one_run(slots: int, lazy: bool, shed: bool, reuse: bool, slot: int = SLOT, huge: bool = False) -> float:
+    data = bytes(range(256)) * (slot // 256)
     keys = [i.to_bytes(32, "little") for i in range(2 * slots)]
-    tier = CpuTier(CpuTierConfig(capacity_bytes=slots * SLOT, slot_bytes=SLOT, pin_memory="never"), lazy=lazy)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=slots * slot, slot_bytes=slot, pin_memory="never",
+                                 huge_pages=huge), lazy=lazy)
     try:
         assert all(tier.put([Entry(k, data) for k in keys[:slots]]))  # full
         start = time.perf_counter()
         for key in keys[slots:]:
             if shed:
-                tier.shed(SLOT, reuse=reuse)
+                tier.shed(slot, reuse=reuse)
             tier.put([Entry(key, data)])
-        return slots * SLOT / (time.perf_counter() - start) / 2**30
+        return slots * slot / (time.perf_counter() - start) / 2**30
     finally:
         tier.close()
 
@@ -48,16 +51,21 @@ def main() -> None:
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     slots = 32 if args.quick else 256
-    modes = {"pretouched_self_evict": (False, False, False), "lazy_shed_reuse": (True, True, True),
-             "lazy_shed_fresh_pages": (True, True, False)}
+    big = 4 * SLOT
+    modes = {"pretouched_self_evict": (False, False, False, SLOT, False),
+             "lazy_shed_reuse": (True, True, True, SLOT, False), "lazy_shed_fresh_pages": (True, True, False, SLOT, False),
+             "lazy_fresh_4mib_small_pages": (True, True, False, big, False),
+             "lazy_fresh_4mib_huge_pages": (True, True, False, big, True)}
     out: dict[str, float] = {}
-    for name, (lazy, shed, reuse) in modes.items():
-        runs = [one_run(slots, lazy, shed, reuse) for _ in range(args.reps)]
+    for name, (lazy, shed, reuse, slot, huge) in modes.items():
+        runs = [one_run(slots * SLOT // slot, lazy, shed, reuse, slot, huge) for _ in range(args.reps)]
         med = statistics.median(runs)
         print(f"{name}: put GiB/s min {min(runs):.2f} median {med:.2f} max {max(runs):.2f}")
         out[f"{name}_gibps"] = round(med, 3)
     out["lazy_reuse_vs_pretouched"] = round(out["lazy_shed_reuse_gibps"] / out["pretouched_self_evict_gibps"], 3)
     out["lazy_fresh_vs_pretouched"] = round(out["lazy_shed_fresh_pages_gibps"] / out["pretouched_self_evict_gibps"], 3)
+    out["fresh_huge_vs_small_4mib"] = round(out["lazy_fresh_4mib_huge_pages_gibps"]
+                                            / out["lazy_fresh_4mib_small_pages_gibps"], 3)
     print(json.dumps(out))
 
 

@@ -50,6 +50,10 @@ class CpuTierConfig:
     slot_bytes: int = field(default=4 * MiB, metadata=value_range(4096, 1 * GiB, size=True))
     policy: str = DEFAULT_POLICY
     pin_memory: str = field(default="auto", metadata=one_of("auto", "always", "never"))
+    # A lazily backed arena (kvtier-server's) of 2 MiB-multiple slots on transparent huge
+    # pages: a put into fresh memory faults 2 MiB at a time (bench/cpu_lazy.py), but resident
+    # memory is rounded up to 2 MiB per chunk. The library's pre-touched arena ignores it.
+    huge_pages: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,22 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 30
+HUGE_PAGE = 2 << 20
+
+
+def _advise_huge(region: mmap.mmap) -> int:
+    """Ask for transparent huge pages on ``region`` (mapped HUGE_PAGE bytes longer than used):
+    the offset of its first huge-page boundary, or -1 where the kernel refuses the advice
+    (THP off or not built in): the region then stays on small pages, from offset 0."""
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as exc:  # (no MADV_HUGEPAGE off Linux)
+        log.debug("host region: no transparent huge pages (%s)", exc)
+        return -1
+    return -base % HUGE_PAGE
 
 
 def _cudart(import_torch: bool) -> Any:
@@ -43,16 +59,26 @@ class HostRegion:
     pays for its import), "always" (import torch; warn when pinning is impossible).
     """
 
-    def __init__(self, nbytes: int, pin: str = "auto", align: int = 1, private: bool = False) -> None:
+    def __init__(self, nbytes: int, pin: str = "auto", align: int = 1, private: bool = False,
+                 huge_pages: bool = False) -> None:
         """``private``: a private anonymous mapping (its pages are freed by MADV_DONTNEED and
         fault in at about two thirds of the cost of the default shared one's, measured here);
-        the default is a shared anonymous (shmem) mapping."""
+        the default is a shared anonymous (shmem) mapping. ``huge_pages`` (private only):
+        transparent huge pages where the kernel offers them (``huge``: advised)."""
         if pin not in ("never", "auto", "always"):
             raise ValueError(f"pin must be never, auto or always, got {pin!r}")
         self.nbytes = nbytes
         self.private = private
-        self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED)
-        self.view = memoryview(self.map)[:nbytes]
+        # A private region starts on a huge-page boundary and asks for transparent huge pages,
+        # so slots of 2 MiB multiples are whole huge pages (freed whole by MADV_DONTNEED).
+        offset = 0
+        if private and huge_pages:
+            self.map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+            offset = _advise_huge(self.map)
+        else:
+            self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED)
+        self.huge = private and huge_pages and offset >= 0
+        self.view = memoryview(self.map)[max(offset, 0) : max(offset, 0) + nbytes]
         self._registered: list[int] = []
         self._cudart: Any = None
         self.pinned = False
@@ -67,7 +93,7 @@ class HostRegion:
             return
         import ctypes
 
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.view))
         self._cudart = cudart
         for off in range(0, self.nbytes, piece):
             size = min(piece, self.nbytes - off)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvtier.config import CpuTierConfig
+from kvtier.pinned import HUGE_PAGE
 from kvtier.tiers.base import EVICTED, Entry, Miss
 from kvtier.tiers.cpu import CpuTier
 
@@ -111,6 +113,49 @@ def test_a_leased_slot_keeps_its_bytes_and_pages_through_shed() -> None:
     assert held == 4 * page_rounded and arena_rss(tier) == 3 * page_rounded  # freed on leave
     assert tier.check() == []
     tier.close()
+
+
+def _anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_lazy_arena_of_huge_page_slots_is_on_huge_pages() -> None:
+    slot = 2 * HUGE_PAGE  # the server's default slot size
+    tier = CpuTier(CpuTierConfig(capacity_bytes=4 * slot, slot_bytes=slot, pin_memory="never", huge_pages=True),
+                   lazy=True)
+    base = np.frombuffer(tier._arena, dtype=np.uint8).ctypes.data
+    assert tier._owner.huge and base % HUGE_PAGE == 0 and arena_rss(tier) == 0
+    assert tier.put([Entry(_key(i), _chunk(i, slot)) for i in range(2)]) == [True, True]
+    assert arena_rss(tier) == 2 * slot
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():  # the kernel may hand out huge pages
+        assert _anon_huge_bytes(base) >= HUGE_PAGE  # (all 4 of them unless memory is fragmented)
+    assert tier.delete([_key(0)]) == 1
+    assert arena_rss(tier) == slot  # the freed slot's pages went back whole
+    assert tier.get([_key(1)]) == [_chunk(1, slot)] and tier.check() == []
+    tier.close()
+
+
+def test_huge_pages_only_where_asked_and_slots_are_whole_huge_pages() -> None:
+    # A 2 MiB page would keep a whole huge page resident for a 60 KB chunk.
+    for slot, asked, huge in ((SLOT, True, False), (2 * HUGE_PAGE, False, False), (2 * HUGE_PAGE, True, True)):
+        tier = CpuTier(CpuTierConfig(capacity_bytes=4 * slot, slot_bytes=slot, pin_memory="never",
+                                     huge_pages=asked), lazy=True)
+        assert tier._owner.huge is huge, (slot, asked)
+        tier.close()
+    pretouched = CpuTier(CpuTierConfig(capacity_bytes=4 * HUGE_PAGE, slot_bytes=HUGE_PAGE, pin_memory="never",
+                                       huge_pages=True))
+    assert not pretouched._owner.huge  # a shared (shmem) mapping, pre-touched: ignored
+    pretouched.close()
 
 
 def test_default_arena_stays_pre_touched() -> None:

@@ -28,7 +28,12 @@ Lazy arena (``lazy=True``, kvtier-server)
     its last reader leaves; ``shed(reuse=True)`` keeps one shed's worth for the put that
     follows). So resident memory follows the chunks held (page-rounded), not
     the capacity, and :meth:`shed` lets the owner shrink a tier below its capacity. The cost is
-    a page fault per page on a put into a fresh slot. Never pinned (pin_memory="never"). The
+    a page fault per page on a put into a fresh slot. With ``huge_pages`` and slots of whole
+    2 MiB multiples (the server's default 4 MiB) the arena starts on a huge-page boundary and
+    asks for transparent huge pages (``MADV_HUGEPAGE``): a fault then brings in 2 MiB at once,
+    and a freed slot frees whole huge pages; resident memory is rounded to 2 MiB per chunk
+    (why it is not the default: small chunks in large slots would each keep 2 MiB resident).
+    Never pinned (pin_memory="never"). The
     library's default (``lazy=False``) keeps the pre-touched arena.
 Failure
     No I/O can fail here; the only refusals are a chunk larger than a slot and a tier whose
@@ -49,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.config import CpuTierConfig
-from kvtier.pinned import HostRegion
+from kvtier.pinned import HUGE_PAGE, HostRegion
 from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys, leading_run
 from kvtier.tiers.cpu_access import ArenaAccess, Reservation
@@ -57,13 +62,16 @@ from kvtier.tiers.cpu_access import ArenaAccess, Reservation
 log = logging.getLogger(__name__)
 
 
-def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int, private: bool = False
-                    ) -> tuple[Any, memoryview, bool]:
+def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int, private: bool = False,
+                    huge_pages: bool = False) -> tuple[Any, memoryview, bool]:
     """(owner, uint8 view, pinned): an anonymous mapping of exactly ``nbytes`` (page-aligned, so
     slots of page-multiple size can feed O_DIRECT writes without a bounce copy), registered with
     CUDA in slot-aligned pieces when CUDA is present (``kvtier.pinned``). Not torch's pinned
     allocator: it rounds up to a power of two (48 GiB would lock 64)."""
-    region = HostRegion(nbytes, pin_memory, align=slot_bytes, private=private)
+    # Huge pages only where every slot is whole huge pages: freeing a slot then frees whole
+    # huge pages, and a smaller slot never keeps a 2 MiB page resident for a few KiB.
+    region = HostRegion(nbytes, pin_memory, align=slot_bytes, private=private,
+                        huge_pages=huge_pages and private and slot_bytes % HUGE_PAGE == 0)
     if not region.pinned and pin_memory != "never":
         log.debug("cpu tier: arena of %d bytes is pageable memory", nbytes)
     return region, region.view, region.pinned
@@ -90,7 +98,8 @@ class CpuTier(ArenaAccess, BoundedTier):
         self.capacity_bytes = self.slots * self.slot_bytes
         self.policy = make_policy(config.policy)
         self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory,
-                                                                    self.slot_bytes, private=lazy)
+                                                                    self.slot_bytes, private=lazy,
+                                                                    huge_pages=config.huge_pages)
         # Pre-touch: one write per page so the first put does not take page faults.
         if not lazy:
             np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
