@@ -133,7 +133,7 @@ def batch_phase(b: Any, plain: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    from bench.e2e_vllm import Bench
+    from bench.e2e_vllm import phase_alone
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model (bench/e2e_vllm.py --quick)")
@@ -142,15 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
-    b = Bench(args)
-    plain = b.replica("plain", None)
-    try:
-        res = batch_phase(b, plain)
-    finally:
-        plain.close()
-    if not args.workdir:
-        shutil.rmtree(b.work, ignore_errors=True)
-    print(json.dumps(res))
+    print(json.dumps(phase_alone(args, batch_phase)))
 
 
 if __name__ == "__main__":

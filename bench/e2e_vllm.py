@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -311,12 +312,13 @@ def server_stored(server: Any) -> int:
     return sum(int(t.get("entries", 0)) + int(t.get("evictions", 0)) for t in doc.get("tenants", []))
 
 
-def _slow_tier_only(args: argparse.Namespace) -> dict[str, Any]:
+def phase_alone(args: argparse.Namespace, phase: Callable[[Bench, Replica], dict[str, Any]]) -> dict[str, Any]:
+    """One phase against a plain engine of its own (a phase's --*-only mode): its JSON keys."""
     b = Bench(args)
-    print(f"model: {b.spec}; slow-tier phase only; {b.reps} reps")
+    print(f"model: {b.spec}; {phase.__name__} alone; {b.reps} reps")
     plain = b.replica("plain", None)
     try:
-        res = slow_tier_phase(b, plain)
+        res = phase(b, plain)
     finally:
         plain.close()
     if not args.workdir:
@@ -352,7 +354,8 @@ def main() -> None:
         args.reps = 7 if args.quick else 5
     if args.reps < 1 or args.tput_reps < 1:
         ap.error("--reps and --tput-reps must be >= 1")
-    res = _save_only(args) if args.save_only else _slow_tier_only(args) if args.slow_tier_only else run(args)
+    res = (_save_only(args) if args.save_only else phase_alone(args, slow_tier_phase) if args.slow_tier_only
+           else run(args))
     print(json.dumps(res))
 
 
