@@ -25,19 +25,22 @@ PIECE_BYTES = 1 << 30
 HUGE_PAGE = 2 << 20
 
 
-def _advise_huge(region: mmap.mmap) -> int:
-    """Ask for transparent huge pages on ``region`` (mapped HUGE_PAGE bytes longer than used):
-    the offset of its first huge-page boundary, or -1 where the kernel refuses the advice
-    (THP off or not built in): the region then stays on small pages, from offset 0."""
+def _address(buf: mmap.mmap | memoryview) -> int:
+    """Where a writable buffer's first byte lies in memory."""
     import ctypes
 
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _advise_huge(region: mmap.mmap) -> bool:
+    """Ask for transparent huge pages on ``region``; False where the kernel refuses the advice
+    (THP not built in, or no MADV_HUGEPAGE off Linux): it then stays on small pages."""
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError) as exc:  # (no MADV_HUGEPAGE off Linux)
+    except (AttributeError, OSError) as exc:
         log.debug("host region: no transparent huge pages (%s)", exc)
-        return -1
-    return -base % HUGE_PAGE
+        return False
+    return True
 
 
 def _cudart(import_torch: bool) -> Any:
@@ -69,16 +72,14 @@ class HostRegion:
             raise ValueError(f"pin must be never, auto or always, got {pin!r}")
         self.nbytes = nbytes
         self.private = private
-        # A private region starts on a huge-page boundary and asks for transparent huge pages,
-        # so slots of 2 MiB multiples are whole huge pages (freed whole by MADV_DONTNEED).
-        offset = 0
-        if private and huge_pages:
-            self.map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-            offset = _advise_huge(self.map)
-        else:
-            self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED)
-        self.huge = private and huge_pages and offset >= 0
-        self.view = memoryview(self.map)[max(offset, 0) : max(offset, 0) + nbytes]
+        # A private region on huge pages starts on a huge-page boundary (mapped HUGE_PAGE bytes
+        # longer), so slots of 2 MiB multiples are whole huge pages (freed whole by MADV_DONTNEED).
+        self.huge = private and huge_pages
+        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+        self.map = mmap.mmap(-1, nbytes + HUGE_PAGE if self.huge else max(nbytes, 1), flags=flags)
+        offset = -_address(self.map) % HUGE_PAGE if self.huge else 0
+        self.huge = self.huge and _advise_huge(self.map)
+        self.view = memoryview(self.map)[offset : offset + nbytes]
         self._registered: list[int] = []
         self._cudart: Any = None
         self.pinned = False
@@ -91,9 +92,7 @@ class HostRegion:
         if cudart is None:
             log.log(level, "host region: no torch with CUDA; %d bytes stay pageable", self.nbytes)
             return
-        import ctypes
-
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self.view))
+        base = _address(self.view)
         self._cudart = cudart
         for off in range(0, self.nbytes, piece):
             size = min(piece, self.nbytes - off)

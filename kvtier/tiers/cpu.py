@@ -33,8 +33,8 @@ Lazy arena (``lazy=True``, kvtier-server)
     asks for transparent huge pages (``MADV_HUGEPAGE``): a fault then brings in 2 MiB at once,
     and a freed slot frees whole huge pages; resident memory is rounded to 2 MiB per chunk
     (why it is not the default: small chunks in large slots would each keep 2 MiB resident).
-    Never pinned (pin_memory="never"). The
-    library's default (``lazy=False``) keeps the pre-touched arena.
+    Never pinned (pin_memory="never"). The library's default (``lazy=False``) keeps the
+    pre-touched arena.
 Failure
     No I/O can fail here; the only refusals are a chunk larger than a slot and a tier whose
     every chunk is pinned (both ``put`` -> False).
@@ -71,7 +71,7 @@ def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int, private: bool
     # Huge pages only where every slot is whole huge pages: freeing a slot then frees whole
     # huge pages, and a smaller slot never keeps a 2 MiB page resident for a few KiB.
     region = HostRegion(nbytes, pin_memory, align=slot_bytes, private=private,
-                        huge_pages=huge_pages and private and slot_bytes % HUGE_PAGE == 0)
+                        huge_pages=huge_pages and slot_bytes % HUGE_PAGE == 0)
     if not region.pinned and pin_memory != "never":
         log.debug("cpu tier: arena of %d bytes is pageable memory", nbytes)
     return region, region.view, region.pinned
