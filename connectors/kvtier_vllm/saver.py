@@ -26,6 +26,7 @@ from kvtier.cache import PrefixCache
 from .copier import CaptureIndex, Fence
 from .protocol import SaveSpec
 from .stats import ConnectorMetrics, StatsCollector
+from .threads import log_failure
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,7 @@ class Saver:
                 if not job.dropped:
                     self._save(job)
             except Exception as exc:  # the saver must outlive any: later saves would wait forever
-                log.error("kvtier: saving %s failed: %s", job.spec.req_id, exc,
-                          exc_info=not isinstance(exc, (RuntimeError, ValueError, OSError)))  # a bug
+                log_failure(log, f"saving {job.spec.req_id}", exc)
                 self._stats.add_by("failures_by_reason", "save_error")
             finally:
                 job.release()

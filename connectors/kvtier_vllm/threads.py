@@ -6,6 +6,7 @@ returns a thread initializer that moves the calling thread to the other cores (n
 engine is not pinned, e.g. GPU hosts, or where there is no affinity API) and gives it an OS
 name (``top -H`` shows ``kvtier-saver``, ``kvtier-layers``, ...). No ``torch.set_num_threads``
 here: in torch 2.13 it is process-wide and would shrink the engine's own OpenMP team.
+``log_failure`` is how those threads report a job that failed: they live on either way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
+# What a background job expects to fail with (store, I/O and shape trouble): one line each.
+EXPECTED_FAILURES = (RuntimeError, ValueError, OSError)
+
+
+def log_failure(logger: logging.Logger, what: str, exc: BaseException) -> None:
+    """``what`` failed with ``exc``: one error line, with the traceback when ``exc`` is not an
+    expected failure (a bug). The caller's thread goes on with its next job."""
+    logger.error("kvtier: %s failed: %s", what, exc, exc_info=not isinstance(exc, EXPECTED_FAILURES))
 
 
 def _compute_cpus() -> set[int]:

@@ -57,7 +57,7 @@ from .saver import Saver
 from .settings import VllmSettings
 from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
-from .threads import background_pinner, on_spare_cpus, pin_existing
+from .threads import background_pinner, log_failure, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
@@ -276,8 +276,7 @@ class WorkerSide:
             items, outcome = self._plan(spec, res)
             self.copier.restore_blocking(self.views, items, after)
         except Exception as exc:  # never out of result() into vLLM's step: recompute instead
-            log.error("kvtier: async restore of %s failed: %s", spec.req_id, exc,
-                      exc_info=not isinstance(exc, (RuntimeError, ValueError, OSError)))  # a bug
+            log_failure(log, f"async restore of {spec.req_id}", exc)
             outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
         finally:
             if res is not None:
