@@ -59,15 +59,13 @@ from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
 from .stats import BackendStats
 from .usage import BackendUsage
+from .written import WrittenKeys
 
 log = logging.getLogger(__name__)
 
 # Failures a storage call expects (one log line each). Nothing reaches SGLang's threads (an
 # exception ends its prefetch or backup thread, L3 off for good): a bug fails the pages too.
 _EXPECTED = (KVTierError, OSError, RuntimeError, ValueError, IndexError)
-# clear() forgets at most this many of our own page keys (~100 MB): memory stays bounded on a
-# long-running server; beyond it, clear() removes the first ones only (logged once).
-_MAX_TRACKED = 1 << 20
 
 
 class KVTierStorage(HiCacheStorage):
@@ -88,8 +86,7 @@ class KVTierStorage(HiCacheStorage):
         self._geo: PageGeometry | None = None
         self._buffer: torch.Tensor | None = None
         self._bufs: ThreadBuffers | None = None
-        self._written: set[bytes] = set()
-        self._written_lock = threading.Lock()
+        self._written = WrittenKeys()
         self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
         self.usage: BackendUsage | None = None  # engine usage reports (usage.py), once registered
         shared = self.cfg.disk.enabled or self.cfg.redis.enabled or self.cfg.grpc.enabled
@@ -301,13 +298,7 @@ class KVTierStorage(HiCacheStorage):
         return accepted
 
     def _track(self, keys: list[bytes]) -> None:
-        with self._written_lock:
-            room = _MAX_TRACKED - len(self._written)
-            if room < len(keys) and not self.stats.snapshot().get("untracked_pages"):
-                log.warning("kvtier_sglang: tracking %d pages for clear(); newer pages are not "
-                            "tracked", _MAX_TRACKED)
-            self._written.update(keys[:max(room, 0)])
-        self.stats.add("untracked_pages", max(len(keys) - max(room, 0), 0))
+        self.stats.add("untracked_pages", self._written.add(keys))
 
     def _scratch_page(self, nbytes: int) -> bytearray:
         page = getattr(self._local, "page", None)
@@ -370,8 +361,7 @@ class KVTierStorage(HiCacheStorage):
     def clear(self) -> None:
         """Delete the pages this backend stored. Pages other processes or engines stored in a
         shared tier stay: one client of a shared cache must not wipe everyone's prefixes."""
-        with self._written_lock:
-            keys, self._written = list(self._written), set()
+        keys = self._written.take_all()
         if self._store is not None and keys:
             self._store.delete(keys)
         log.info("kvtier_sglang: cleared %d pages", len(keys))
