@@ -26,6 +26,7 @@ from kvtier_hf.random_llama import TinyLlamaSpec
 
 from bench._e2e_save import pair_line, pair_ratios
 from bench._stats import Stats, fmt
+from tests.vllm_model import kv_bytes
 from tests.vllm_replica import Replica
 from tests.vllm_throttled import CONTROL_ENV
 
@@ -46,12 +47,6 @@ class _Bench(Protocol):
     def ttft(self, rep: Replica, tokens: list[int]) -> tuple[float, dict[str, Any]]: ...
 
 
-def kv_bytes(spec: TinyLlamaSpec, tokens: int) -> int:
-    """K and V bytes of ``tokens`` tokens of the fp32 bench model."""
-    head_dim = spec.hidden_size // spec.num_heads
-    return tokens * spec.num_layers * 2 * spec.num_kv_heads * head_dim * 4
-
-
 def slow_tier_phase(b: _Bench, plain: Replica) -> dict[str, Any]:
     """Runs the phase against ``plain`` (no kvtier); returns its JSON keys. Raises RuntimeError
     when the slow engine's hit is missing (the figure would be meaningless)."""
@@ -65,9 +60,9 @@ def slow_tier_phase(b: _Bench, plain: Replica) -> dict[str, Any]:
         slow.generate([{"tokens": b.tokens(300)}], max_tokens=2)  # kernel warm-up
         prefill = statistics.median(b.ttft(plain, b.tokens(b.prefix) + b.tokens(b.question))[0]
                                     for _ in range(3))
-        bps = kv_bytes(b.spec, b.prefix) / (THROTTLE_X * prefill)
+        bps = kv_bytes(b.prefix, b.spec) / (THROTTLE_X * prefill)
         control.write_text(str(bps))
-        learn = _one_rep(b, slow, plain)[0]
+        learn = _one_rep(b, slow, None)[0]
         ttft_slow: list[float] = []
         ttft_plain: list[float] = []
         skipped: list[int] = []
@@ -90,18 +85,20 @@ def slow_tier_phase(b: _Bench, plain: Replica) -> dict[str, Any]:
             "runs_slow_tier": {"ttft_slow_s": ttft_slow, "ttft_plain_s": ttft_plain}}
 
 
-def _one_rep(b: _Bench, slow: Replica, plain: Replica, plain_first: bool = False
+def _one_rep(b: _Bench, slow: Replica, plain: Replica | None, plain_first: bool = False
              ) -> tuple[float, float, dict[str, Any]]:
     """Save a fresh prefix through ``slow``, drop it from slow's vLLM cache, then time one prompt
-    on it on both engines: (slow s, plain s, slow's kvtier stats)."""
+    on it on both engines (``plain`` None: on ``slow`` only, plain s 0): (slow s, plain s,
+    slow's kvtier stats)."""
     prefix = b.tokens(b.prefix)
     b.ttft(slow, prefix + b.tokens(b.question))
     time.sleep(0.5)  # the save is asynchronous
     slow.call({"op": "reset_prefix_cache"})
     prompt = prefix + b.tokens(b.question)
-    times: dict[str, float] = {}
+    times: dict[str, float] = {"plain": 0.0}
     kv: dict[str, Any] = {}
-    for name, rep in [("plain", plain), ("slow", slow)][:: 1 if plain_first else -1]:
+    engines = [("plain", plain), ("slow", slow)] if plain is not None else [("slow", slow)]
+    for name, rep in engines[:: 1 if plain_first else -1]:
         times[name], out = b.ttft(rep, prompt)
         if name == "slow":
             kv = out.get("kvtier") or {}

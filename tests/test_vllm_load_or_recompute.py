@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_model import VLLM_TEST_SPEC, build_model, random_tokens
+from tests.vllm_model import VLLM_TEST_SPEC, build_model, kv_bytes, random_tokens
 from tests.vllm_replica import Replica
 from tests.vllm_throttled import CONTROL_ENV
 
@@ -94,7 +94,7 @@ def test_tier_slower_than_prefill_is_not_loaded_and_ttft_matches_recompute(pair:
     # Prefill on a loaded CI machine has been measured 8x slower than on a quiet one, so the
     # throttle is set from this machine's prefill now, not from a constant.
     prefill = statistics.median(pair.timed(pair.plain, prefix + pair.tokens(40))[0] for _ in range(3))
-    pair.control.write_text(str(min(SLOW_BPS, prefix_bytes(P) / (THROTTLE_X * prefill))))
+    pair.control.write_text(str(min(SLOW_BPS, kv_bytes(P) / (THROTTLE_X * prefill))))
     time.sleep(1.0)                      # the save is asynchronous
     # The first hit on the unmeasured tier is tried (the prior is optimistic) and is slow.
     t_learn, out = pair.timed(pair.kv, prefix + pair.tokens(40))
@@ -106,13 +106,6 @@ def test_tier_slower_than_prefill_is_not_loaded_and_ttft_matches_recompute(pair:
     assert t_learn > 2 * statistics.median(without)  # the throttle is real
     assert ratio <= RECOMPUTE_TTFT_X, (ratio, sorted(with_kv), sorted(without))
     assert statistics.median(with_kv) < t_learn / 2  # recomputing, not loading from the slow tier
-
-
-def prefix_bytes(tokens: int) -> int:
-    """K and V bytes of ``tokens`` tokens in the fp32 test model."""
-    spec = VLLM_TEST_SPEC
-    head_dim = spec.hidden_size // spec.num_heads
-    return tokens * spec.num_layers * 2 * spec.num_kv_heads * head_dim * 4
 
 
 def _alternating_runs(pair: Pair, prefix: list[int]) -> tuple[list[float], list[float]]:

@@ -41,6 +41,11 @@ def build_model(path: str | os.PathLike[str], spec: TinyLlamaSpec = VLLM_TEST_SP
     return out
 
 
+def kv_bytes(tokens: int, spec: TinyLlamaSpec = VLLM_TEST_SPEC) -> int:
+    """K and V bytes of ``tokens`` tokens of ``spec`` as the engines run it (fp32)."""
+    return tokens * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+
+
 def random_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
     """``n`` token ids in [3, vocab) (0-2 are pad/bos/eos), reproducible from ``seed``."""
     import random
