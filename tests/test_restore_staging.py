@@ -148,13 +148,14 @@ def test_a_prefetch_dropped_untaken_gives_its_slots_back() -> None:
 
     pf = Prefetcher(workers=2, max_bytes=1 << 20, on_drop=bufs.release)
     try:
-        pf.submit("a", ("a",), lambda: bufs.load(cache, TOKENS, 0, 2))
+        first = pf.submit("a", ("a",), lambda: bufs.load(cache, TOKENS, 0, 2))
         pending = pf.submit("b", ("b",), slow)
-        assert pending is not None
+        assert first is not None and pending is not None
+        first.result(10)                       # "a" finished (its future, not just its load)
         end = time.monotonic() + 10
         while bufs.pool.free > 0 and time.monotonic() < end:
             time.sleep(0.005)
-        assert bufs.pool.free == 0
+        assert bufs.pool.free == 0 and first.done()
         pf.discard(["a"])                      # finished: released at once
         assert bufs.pool.free == 2
         pf.submit("b", ("b", 2), lambda: bufs.load(cache, TOKENS, 2, 3))  # replaces running "b"
