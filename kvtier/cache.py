@@ -38,7 +38,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ChunkError, ConfigError
 from kvtier.keys import KEY_BYTES, NamespaceSpec, chunk_keys, chunk_spans, xengine_keys
 from kvtier.metrics import Metrics
-from kvtier.store import TieredStore
+from kvtier.store import Promotion, TieredStore
 from kvtier.tiers.base import ABSENT, Entry
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ class VerifiedRun:
     per_tier: dict[str, int]
     reason: str
     nbytes: int
+    # What a deferred-promotion load left to promote (see PrefixCache.promote); empty otherwise.
+    promotion: Promotion = Promotion()
 
 
 class PrefixCache:
@@ -173,12 +175,20 @@ class PrefixCache:
 
     def load_verified_into(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]],
                            outs: Sequence[memoryview], first_index: int = 0,
-                           prefix: Sequence[bytes] | None = None) -> VerifiedRun:
+                           prefix: Sequence[bytes] | None = None, *,
+                           defer_promotion: bool = False) -> VerifiedRun:
         """:meth:`load_verified` into caller-owned buffers (one per key, each large enough for
         its chunk; page-aligned for O_DIRECT reads): the payloads returned are views of
-        ``outs``, valid while the caller leaves those buffers alone."""
-        res = self.store.load_into(keys, outs, prefix=prefix)
-        return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
+        ``outs``, valid while the caller leaves those buffers alone. ``defer_promotion``: the
+        chunks from lower tiers are promoted only when the caller calls :meth:`promote` (before
+        reusing ``outs``), so a caller waiting for the bytes does not wait for the copies up."""
+        res = self.store.load_into(keys, outs, prefix=prefix, defer_promotion=defer_promotion)
+        run = self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
+        return dataclasses.replace(run, promotion=res.promotion) if defer_promotion else run
+
+    def promote(self, run: VerifiedRun) -> None:
+        """Promote the verified chunks of a deferred-promotion ``run`` (never a refused one)."""
+        self.store.promote(run.promotion, len(run.payloads))
 
     def _verify(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]], chunks: Sequence[Buf],
                 sources: Sequence[str], reason: str, first_index: int) -> VerifiedRun:

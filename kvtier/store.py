@@ -24,12 +24,18 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kvtier.codec import Buf
 from kvtier.config import KVTierConfig, StoreConfig
 from kvtier.metrics import Metrics
-from kvtier.store_results import LoadIntoResult, LoadResult, LookupResult, StoreListener
+from kvtier.store_results import (
+    Listeners,
+    LoadIntoResult,
+    LoadResult,
+    LookupResult,
+    Promotion,
+    StoreListener,
+)
 from kvtier.tiers.base import (
     ABSENT,
     EVICTED,
@@ -39,9 +45,10 @@ from kvtier.tiers.base import (
     PrefixOps,
     PrefixPlaced,
     Tier,
+    TierUsage,
 )
 
-__all__ = ["LoadIntoResult", "LoadResult", "LookupResult", "StoreListener", "TieredStore"]
+__all__ = ["LoadIntoResult", "LoadResult", "LookupResult", "Promotion", "StoreListener", "TieredStore"]
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +79,7 @@ class TieredStore:
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
         self._closed = False
-        self._listeners: tuple[StoreListener, ...] = ()
-        self.listener_errors = 0
+        self._listeners = Listeners()
         for level, tier in enumerate(self.tiers):
             tier.evict_listener = self._make_evict_listener(level)
         # Per-lookup constants, resolved once: isinstance against a runtime Protocol costs
@@ -143,16 +149,18 @@ class TieredStore:
 
         n, source, reason = self._cascade(len(keys), fetch)
         run = [c for c in found[:n] if c is not None]
-        self._after_load(keys, run, source, prefix)
+        self.promote(Promotion(tuple(keys[:n]), tuple(run), tuple(source[:n]), prefix))
+        self._after_load(keys, run, prefix)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return LoadResult(run, [self.tiers[source[i]].name for i in range(n)], reason)
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                  prefix: Sequence[bytes] | None = None) -> LoadIntoResult:
+                  prefix: Sequence[bytes] | None = None, *, defer_promotion: bool = False) -> LoadIntoResult:
         """:meth:`load` into caller-owned buffers, one per key, each large enough for its chunk
         (page-aligned buffers let the disk tier read straight into them with O_DIRECT): no
         per-chunk allocation. Promotion copies out of ``outs`` before returning, so the caller
-        may reuse them as soon as this returns."""
+        may reuse them as soon as this returns; with ``defer_promotion`` it is left to the
+        caller (``result.promotion``, :meth:`promote`), off the path to the bytes it waits for."""
         if len(keys) != len(outs):
             raise ValueError(f"load_into got {len(keys)} keys and {len(outs)} buffers")
         t0 = time.perf_counter()
@@ -177,9 +185,13 @@ class TieredStore:
 
         n, source, reason = self._cascade(len(keys), fetch)
         run: list[Buf] = [oversized[i] if i in oversized else outs[i][: sizes[i]] for i in range(n)]
-        self._after_load(keys, run, source, prefix)
+        pending = Promotion(tuple(keys[:n]), tuple(run), tuple(source[:n]), prefix)
+        if not defer_promotion:
+            self.promote(pending)
+            pending = Promotion()
+        self._after_load(keys, run, prefix)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
-        return LoadIntoResult(run, [self.tiers[source[i]].name for i in range(n)], reason)
+        return LoadIntoResult(run, [self.tiers[source[i]].name for i in range(n)], reason, pending)
 
     def _cascade(self, n: int, fetch: Callable[[Tier, list[int]], list[int | Miss]]
                  ) -> tuple[int, list[int], str]:
@@ -202,18 +214,24 @@ class TieredStore:
         run = next((i for i, level in enumerate(source) if level < 0), n)
         return run, source, reason if run < n else ABSENT
 
-    def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], source: list[int],
-                    prefix: Sequence[bytes] | None) -> None:
-        if self.config.promote_on_load:
-            for level in range(1, len(self.tiers)):
-                served = [Entry(keys[i], run[i], i) for i in range(len(run)) if source[i] == level]
-                if not served:
-                    continue
-                for upper in self.tiers[:level]:
-                    self._tell_stored(upper.name, served)
-                    ok = self._verbs(upper, prefix).put(served)
-                    self.metrics.promotions.labels(upper.name).inc(len(served))
-                    self._tell_refused(upper.name, served, ok)
+    def promote(self, pending: Promotion, count: int | None = None) -> None:
+        """Copy the first ``count`` (default: all) chunks of ``pending`` into the tiers above
+        the one that served each, as ``promote_on_load`` asks. Any thread; the caller's
+        buffers are free again when this returns."""
+        if not self.config.promote_on_load:
+            return
+        n = len(pending.keys) if count is None else min(count, len(pending.keys))
+        for level in range(1, len(self.tiers)):
+            served = [Entry(pending.keys[i], pending.chunks[i], i) for i in range(n) if pending.levels[i] == level]
+            if not served:
+                continue
+            for upper in self.tiers[:level]:
+                self._listeners.stored(upper.name, served)
+                ok = self._verbs(upper, pending.prefix).put(served)
+                self.metrics.promotions.labels(upper.name).inc(len(served))
+                self._listeners.refused(upper.name, served, ok)
+
+    def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], prefix: Sequence[bytes] | None) -> None:
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
             with self._hits_lock:
@@ -246,13 +264,13 @@ class TieredStore:
             return 0
         t0 = time.perf_counter()
         top = self.tiers[0]
-        self._tell_stored(top.name, entries)
+        self._listeners.stored(top.name, entries)
         ok = self._verbs(top, prefix).put(entries)
         accepted = sum(ok)
         self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
-        self._tell_refused(top.name, entries, ok)
+        self._listeners.refused(top.name, entries, ok)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
             self._enqueue(list(entries), 1, prefix)
@@ -287,13 +305,13 @@ class TieredStore:
     def _write_down(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         cascade = self.config.write_policy == "write_through"
         for tier in self.tiers[level:]:
-            self._tell_stored(tier.name, entries)
+            self._listeners.stored(tier.name, entries)
             ok = self._verbs(tier, prefix).put(entries)
             written = sum(len(e.data) for e, k in zip(entries, ok) if k)
             self.metrics.bytes_written.labels(tier.name).inc(written)
             if not all(ok):
                 self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
-            self._tell_refused(tier.name, entries, ok)
+            self._listeners.refused(tier.name, entries, ok)
             if not cascade:
                 return
 
@@ -302,7 +320,7 @@ class TieredStore:
 
         def on_evict(key: bytes, data: bytes) -> None:
             self.metrics.evictions.labels(name, "capacity").inc()
-            self._tell_removed(name, (key,))
+            self._listeners.removed(name, (key,))
             if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
                 # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
                 self._enqueue([Entry(key, data)], level + 1, None)
@@ -315,39 +333,19 @@ class TieredStore:
         for tier in self.tiers:
             n = tier.delete(keys)
             if n:
-                self._tell_removed(tier.name, keys)
+                self._listeners.removed(tier.name, keys)
             total += n
         return total
 
     # --- listeners -------------------------------------------------------------------------
     def listen(self, listener: StoreListener) -> None:
         """Tell ``listener`` from now on which tier took or lost which chunk (any thread)."""
-        with self._hits_lock:
-            self._listeners = (*self._listeners, listener)
+        self._listeners.add(listener)
 
-    # A put is announced before it runs and its refusals after it: an eviction the put itself
-    # causes (possibly of a chunk of the same batch) then reaches listeners after the
-    # announcement of what it evicts, so the last word on every key is the true one.
-    def _tell_stored(self, tier: str, entries: Sequence[Entry]) -> None:
-        for listener in self._listeners:
-            self._guard(listener.chunks_stored, tier, entries)
-
-    def _tell_refused(self, tier: str, entries: Sequence[Entry], ok: Sequence[bool]) -> None:
-        if self._listeners and not all(ok):
-            self._tell_removed(tier, [e.key for e, k in zip(entries, ok) if not k])
-
-    def _tell_removed(self, tier: str, keys: Sequence[bytes]) -> None:
-        for listener in self._listeners:
-            self._guard(listener.chunks_removed, tier, keys)
-
-    def _guard(self, call: Callable[[str, Any], None], tier: str, arg: Any) -> None:
-        # A listener is foreign code running inside a tier's put or eviction: whatever it
-        # does wrong must not fail that put (the contract: a store never raises for this).
-        try:
-            call(tier, arg)
-        except Exception:  # noqa: BLE001 - logged and counted, never swallowed silently
-            self.listener_errors += 1
-            log.exception("kvtier: a store listener failed on tier %s", tier)
+    @property
+    def listener_errors(self) -> int:
+        """Listener calls that raised (each logged with its traceback)."""
+        return self._listeners.errors
 
     # --- lifecycle -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -367,18 +365,19 @@ class TieredStore:
             return
         for tier in self.tiers:
             if isinstance(tier, BoundedTier):
-                u = tier.usage()
-                self.metrics.used_bytes.labels(tier.name).set(u.used_bytes)
-                self.metrics.capacity_bytes.labels(tier.name).set(u.capacity_bytes)
-                self.metrics.entries.labels(tier.name).set(u.entries)
+                self._set_usage(tier)
+
+    def _set_usage(self, tier: Tier) -> TierUsage:
+        u = tier.usage()
+        self.metrics.used_bytes.labels(tier.name).set(u.used_bytes)
+        self.metrics.capacity_bytes.labels(tier.name).set(u.capacity_bytes)
+        self.metrics.entries.labels(tier.name).set(u.entries)
+        return u
 
     def stats(self) -> dict[str, dict[str, int]]:
         out = {}
         for tier in self.tiers:
-            u = tier.usage()
-            self.metrics.used_bytes.labels(tier.name).set(u.used_bytes)
-            self.metrics.capacity_bytes.labels(tier.name).set(u.capacity_bytes)
-            self.metrics.entries.labels(tier.name).set(u.entries)
+            u = self._set_usage(tier)
             out[tier.name] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                               "entries": u.entries}
         return out
