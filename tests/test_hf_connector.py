@@ -159,6 +159,31 @@ def test_restore_reuses_a_connector_ring_and_keeps_bytes_exact(model: torch.nn.M
                 assert torch.equal(a[:, :, :len(ids) - 1], b)
 
 
+@pytest.mark.parametrize("sets", [2, 3])
+def test_restore_promotes_every_chunk_before_its_staging_set_is_reused(model: torch.nn.Module,
+                                                                       sets: int) -> None:
+    """Chunks read from the lower tier are promoted off the readers (deferred, by the copier
+    thread): the top tier must end up with each chunk's own bytes, which it would not if a
+    set were read into again before the promotion out of it finished."""
+    import kvtier_hf.restore as restore_mod
+    from kvtier_hf.staging import StagingRing
+
+    top, lower = MemoryTier(64 * MiB, name="top"), MemoryTier(64 * MiB, name="lower")
+    with TieredStore([top, lower]) as two:
+        hf = _hf(model, two)
+        ids = _prompt(12 * CHUNK + 5)
+        cache, _ = _full_forward(model, ids)
+        assert hf.save(ids, cache) == 13
+        two.flush(10)
+        keys = hf.prefix_cache.keys(ids)
+        top.delete(keys)
+        ring = StagingRing(restore_mod.buffer_bytes(hf.prefix_cache), 1, sets)
+        got = restore_mod.restore(hf.prefix_cache, np.asarray(ids), len(ids), len(ids) - 1, torch.float32,
+                                  model.config, staging=ring)
+        assert got.tokens == len(ids) - 1 and got.per_tier == {"lower": 13}
+        assert top.get(keys) == lower.get(keys)
+
+
 def test_restored_generation_matches_transformers(model: torch.nn.Module, store: TieredStore) -> None:
     hf = _hf(model, store)
     ids = _prompt(100)
