@@ -173,6 +173,8 @@ def _restore(prefix_cache: PrefixCache, keys: list[bytes], spans: list[tuple[int
                 for later in pending.values():  # reads already started past the gap: unused
                     later.cancel()
                 break
+        for promotion in promoted.values():  # done before the ring is free (and raised, if a bug)
+            promotion.result()
     cache = new_cache(config)
     if done:
         for layer in range(lay.num_layers):
