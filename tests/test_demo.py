@@ -64,6 +64,15 @@ def test_demo_dir_is_kept_and_reused(tmp_path: Path) -> None:
     assert second["tokens_warm"] == first["tokens_warm"]
 
 
+def test_demo_prompt_shorter_than_a_chunk_and_the_warm_up() -> None:
+    """An 8-token prompt (the warm-up forward is 33 tokens, a chunk 64): one partial chunk is
+    saved and restored, and greedy outputs still match (it crashed in the warm-up once)."""
+    report, _ = _demo("--preset", "test", "--prefix-tokens", "5", "--question-tokens", "3",
+                      "--new-tokens", "4", "--chunk-tokens", "64")
+    assert report["outputs_identical"] is True and report["prompt_tokens"] == 8
+    assert report["prefill_tokens_saved"] == 7 and report["prefilled_tokens_warm"] == 1
+
+
 def test_cli_help() -> None:
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--help"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT, check=True).stdout
