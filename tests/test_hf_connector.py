@@ -271,6 +271,14 @@ def test_bad_inputs(model: torch.nn.Module, store: TieredStore) -> None:
         hf.generate(torch.zeros((2, 8), dtype=torch.long), 2)
     with pytest.raises(ValueError):
         hf.generate([], 2)
+    vocab = TEST_SPEC.vocab_size
+    for bad in (vocab, -1):  # named, before any lookup, restore or save
+        ids = [*_prompt(2 * CHUNK), bad]
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary"):
+            hf.generate(ids, 2)
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary"):
+            hf.restore(ids)
+    assert store.tiers[0].usage().entries == 0
 
 
 _SECOND_PROCESS = textwrap.dedent("""

@@ -132,7 +132,17 @@ class GenerationResult:
     restore_bytes: int = 0  # encoded chunk bytes the restore read from the store
 
 
-def _as_ids(input_ids: TokenIds) -> np.ndarray:
+def _as_ids(input_ids: TokenIds, vocab_size: int | None = None) -> np.ndarray:
+    """``input_ids`` as 1-D int64 token ids, each in ``[0, vocab_size)`` when that is known
+    (an id outside it would be hashed into keys, then fail deep in the embedding)."""
+    ids = _flat_ids(input_ids)
+    if vocab_size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _flat_ids(input_ids: TokenIds) -> np.ndarray:
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
@@ -161,6 +171,8 @@ class KVTierHF:
                  chunk_tokens: int | None = None, model_id: str | None = None,
                  revision: str | None = None, replica_id: str = "") -> None:
         self.model = model
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._vocab_size: int | None = vocab if isinstance(vocab, int) and vocab > 0 else None
         self.usage: UsageReporter | None = None  # engine usage reports (a config with grpc nodes)
         self._forward = ForwardKwargs.of(model)
         if isinstance(cache, PrefixCache):
@@ -197,7 +209,7 @@ class KVTierHF:
         """Load the longest cached prefix of the prompt, leaving at least its last token to
         prefill (the model must produce logits for it); a partly used chunk is sliced."""
         t0 = time.perf_counter()
-        ids = _as_ids(input_ids)
+        ids = _as_ids(input_ids, self._vocab_size)
         if len(ids) < 2:
             return RestoredPrefix(new_cache(self.model.config), 0, seconds=time.perf_counter() - t0)
         hit = self.prefix_cache.lookup(ids)
@@ -241,7 +253,7 @@ class KVTierHF:
         """Store every chunk of the prompt not cached yet, reading K/V from ``cache`` (which
         must hold at least the prompt's tokens). Chunks wholly before ``start_token`` are
         skipped without a lookup. Returns the number of chunks stored."""
-        ids = _as_ids(input_ids)
+        ids = _as_ids(input_ids, self._vocab_size)
         if seq_length(cache) < len(ids):
             raise ValueError(f"cache holds {seq_length(cache)} tokens, the prompt has {len(ids)}")
         layout, dtype = self.spec.layout, self.dtype
@@ -259,7 +271,7 @@ class KVTierHF:
         runs the same code without restore or save (the baseline)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = _as_ids(input_ids)
+        ids = _as_ids(input_ids, self._vocab_size)
         if len(ids) < 1:
             raise ValueError("the prompt needs at least one token")
         t0 = time.perf_counter()
