@@ -71,14 +71,31 @@ PERCENTS = (5, 10, 20, 40)
 Trace = list[list[bytes]]
 
 
+class TraceError(ValueError):
+    """A trace that cannot be replayed: names the file, the line and what is wrong."""
+
+
 def load_trace(path: Path) -> Trace:
-    """One list of block keys per request; ids become 8-byte little-endian keys."""
+    """One list of block keys per request (a Mooncake-format line: ``hash_ids``, a list of
+    non-negative block ids); ids become 8-byte little-endian keys. Blank lines are skipped;
+    anything else malformed, or a trace without requests, raises :class:`TraceError`."""
     requests: Trace = []
     with path.open() as f:
-        for line in f:
-            if line.strip():
-                ids = json.loads(line)["hash_ids"]
-                requests.append([int(h).to_bytes(8, "little") for h in ids])
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+            ids = obj.get("hash_ids") if isinstance(obj, dict) else None
+            if not isinstance(ids, list) or not all(
+                    isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in ids):
+                raise TraceError(f"{path}:{lineno}: expected an object whose 'hash_ids' is a list of "
+                                 "non-negative integer block ids (../shared/traces/README.md)")
+            requests.append([h.to_bytes(8, "little") for h in ids])
+    if not any(requests):
+        raise TraceError(f"{path}: no request with blocks to replay")
     return requests
 
 
@@ -226,7 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"skipped": out["trace_skipped"]}))
             return 0
     elif with_trace:
-        requests = load_trace(args.trace)
+        try:
+            requests = load_trace(args.trace)
+        except TraceError as exc:
+            print(f"replay: {exc}", file=sys.stderr)
+            return 2
         distinct = len({key for ids in requests for key in ids})
         blocks = sum(len(ids) for ids in requests)
         print(f"trace {args.trace}: {len(requests)} requests, {blocks} blocks, {distinct} "

@@ -276,3 +276,20 @@ def test_default_never_loses_to_lru_on_held_out_generated_seeds(workload: str) -
         for pct in (5, 10, 20, 40):
             ratio, mine, lru = _vs_lru(replay, requests, pct)
             assert ratio >= 0.99, f"{workload} seed {seed} at {pct}%: {mine:.4f} vs lru {lru:.4f}"
+
+
+def test_replay_refuses_a_malformed_trace_by_line(tmp_path: Path) -> None:
+    """Another trace than the shared one: a bad line is named (file:line), never a KeyError."""
+    replay = _load_replay()
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"timestamp": 0, "hash_ids": [1, 2, 3]}\n\n{"hash_ids": [1, 2, 4]}\n')
+    assert replay.load_trace(good) == [[i.to_bytes(8, "little") for i in ids] for ids in ([1, 2, 3], [1, 2, 4])]
+    cases = {'{"input_length": 10}\n': ":1: expected an object", '{"hash_ids": [1]}\nnot json\n': ":2: not JSON",
+             '{"hash_ids": [1, -2]}\n': ":1: expected", '{"hash_ids": [true]}\n': ":1: expected",
+             "[1, 2]\n": ":1: expected", "\n": "no request with blocks"}
+    for i, (text, message) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_text(text)
+        with pytest.raises(replay.TraceError, match=message):
+            replay.load_trace(bad)
+    assert replay.main(["--quick", "--trace", str(bad)]) == 2
