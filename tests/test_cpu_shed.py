@@ -6,6 +6,7 @@ being read keeps its pages and bytes until its reader leaves."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 from pathlib import Path
 
@@ -156,6 +157,16 @@ def test_huge_pages_only_where_asked_and_slots_are_whole_huge_pages() -> None:
                                        huge_pages=True))
     assert not pretouched._owner.huge  # a shared (shmem) mapping, pre-touched: ignored
     pretouched.close()
+
+
+def test_huge_pages_asked_with_slots_of_no_huge_page_multiple_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.tiers.cpu")
+    slot = HUGE_PAGE + 4096  # a 2 MiB chunk and its header: the case a user meets
+    tier = CpuTier(CpuTierConfig(capacity_bytes=4 * slot, slot_bytes=slot, pin_memory="never", huge_pages=True),
+                   lazy=True)
+    tier.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cpu tier cpu: huge_pages ignored: slot_bytes {slot} is not a multiple of 2 MiB ({2 * HUGE_PAGE} would be)"]
 
 
 def test_default_arena_stays_pre_touched() -> None:

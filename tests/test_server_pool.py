@@ -6,8 +6,11 @@ and RAM only (the server's RSS measured), and the storage layer directly for pro
 from __future__ import annotations
 
 import json
+import logging
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, GrpcTierConfig
 from kvtier.server.auth import Tenant
@@ -212,3 +215,19 @@ def test_many_tenants_share_one_ram_budget_through_both_put_paths() -> None:
         assert storage.check() == []
     finally:
         storage.close()
+
+
+def test_a_tenant_whose_ram_is_smaller_than_a_slot_is_told(caplog: pytest.LogCaptureFixture) -> None:
+    """cpu.capacity_bytes (or a quota) below cpu.slot_bytes shrinks that tenant's slots: said
+    in a warning naming the tenant and both sizes, not found later as refused puts."""
+    caplog.set_level(logging.WARNING, logger="kvtier.server.storage")
+    storage = Storage([Tenant("small", quota_bytes=MiB), Tenant("big")],
+                      CpuTierConfig(capacity_bytes=16 * MiB, slot_bytes=4 * MiB), DiskTierConfig())
+    try:
+        assert storage.store("small").ram.slot_bytes == MiB  # type: ignore[union-attr]
+        assert storage.store("big").ram.slot_bytes == 4 * MiB  # type: ignore[union-attr]
+    finally:
+        storage.close()
+    warned = [r.getMessage() for r in caplog.records if "smaller than cpu.slot_bytes" in r.getMessage()]
+    assert warned == ["tenant 'small': its RAM (1048576 bytes) is smaller than cpu.slot_bytes (4194304): "
+                      "its slots shrink to 1048576 bytes and larger chunks are refused"]

@@ -312,6 +312,10 @@ class Storage:
                 if cpu.enabled:
                     cap = _cap(cpu.capacity_bytes, quota)
                     ram_shares[tenant.name] = _share(cpu.capacity_bytes, n, quota)
+                    if cap < cpu.slot_bytes:
+                        log.warning("tenant %r: its RAM (%d bytes) is smaller than cpu.slot_bytes (%d): "
+                                    "its slots shrink to %d bytes and larger chunks are refused",
+                                    tenant.name, cap, cpu.slot_bytes, cap)
                     ram = CpuTier(dataclasses.replace(
                         cpu, capacity_bytes=cap, slot_bytes=min(cpu.slot_bytes, cap), pin_memory="never"),
                         name="cpu", lazy=True)

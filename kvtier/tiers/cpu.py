@@ -97,6 +97,9 @@ class CpuTier(ArenaAccess, BoundedTier):
         self.slots = config.capacity_bytes // config.slot_bytes
         self.capacity_bytes = self.slots * self.slot_bytes
         self.policy = make_policy(config.policy)
+        if config.huge_pages and lazy and self.slot_bytes % HUGE_PAGE:
+            log.warning("cpu tier %s: huge_pages ignored: slot_bytes %d is not a multiple of 2 MiB "
+                        "(%d would be)", name, self.slot_bytes, -(-self.slot_bytes // HUGE_PAGE) * HUGE_PAGE)
         self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory,
                                                                     self.slot_bytes, private=lazy,
                                                                     huge_pages=config.huge_pages)
