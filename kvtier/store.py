@@ -3,7 +3,8 @@
 - lookup: the longest run of leading keys present in *some* tier, local tiers first; one
   probe per tier in the usual case (another pass only when a lower tier filled a gap).
 - load: fetch that run, each chunk from the highest tier holding it; chunks served by a lower
-  tier are promoted into the tiers above it (``promote_on_load``).
+  tier are promoted into the tiers above it (``promote_on_load``), before the load returns or,
+  with ``load_into(..., defer_promotion=True)``, when the caller calls :meth:`promote`.
 - store: write-through into tier 0 on the caller's thread (a memcpy for cpu), then cascade to
   the tiers below through a bounded queue served by one writer thread. When the queue is full
   the batch is dropped and counted: the caller (the engine) is never blocked.
