@@ -105,3 +105,12 @@ def test_live_view_refreshes_in_place(fed: tuple[list[ServerProc], Any]) -> None
         os.close(leader)
     assert out.count(b"prompt-token hit ratio") >= 4, out[-2000:]
     assert b"\x1b[" in out  # redrawn in place (cursor moves), not appended as plain lines
+
+
+def test_bad_arguments_are_usage_errors_not_tracebacks() -> None:
+    for args, message in ((("--server", "garbage"), "'garbage' is not host:port"),
+                          (("--interval", "-1"), "expected seconds > 0, got -1"),
+                          (("--timeout", "0"), "expected seconds > 0, got 0"),
+                          (("--interval", "abc"), "expected seconds, got 'abc'")):
+        proc = top("--once", *args)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

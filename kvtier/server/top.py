@@ -30,15 +30,33 @@ DEFAULT_SERVER = "127.0.0.1:50052"
 Table = tuple[str, list[str], list[list[str]]]  # title, headers, rows
 
 
+def _server(text: str) -> str:
+    try:
+        dashboard.split_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (e.g. 127.0.0.1:50052)") from None
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("top", help="live table of the cluster: engine hit ratios, replicas, nodes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", action="append", metavar="HOST:HTTP_PORT",
+    p.add_argument("--server", action="append", metavar="HOST:HTTP_PORT", type=_server,
                    help=f"a kvtier-server HTTP side port (repeatable; default {DEFAULT_SERVER})")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--interval", type=_seconds, default=2.0, help="seconds between refreshes (default 2)")
     p.add_argument("--once", action="store_true", help="print once and exit")
     p.add_argument("--json", action="store_true", help="with --once: the /api/cluster JSON document")
-    p.add_argument("--timeout", type=float, default=dashboard.PEER_TIMEOUT_S * 2,
+    p.add_argument("--timeout", type=_seconds, default=dashboard.PEER_TIMEOUT_S * 2,
                    help="seconds to wait for each server")
     p.set_defaults(handler=run)
 
