@@ -80,3 +80,13 @@ def test_cli_help() -> None:
     bad = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--new-tokens", "0"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert bad.returncode == 2 and "expected an integer >= 1" in bad.stderr
+
+
+def test_a_bad_or_dead_server_is_said_before_any_phase_runs() -> None:
+    for server, code, message in (("garbage", 2, "'garbage' is not HOST:PORT"),
+                                  ("127.0.0.1:0", 2, "is not HOST:PORT"),
+                                  ("127.0.0.1:1", 2, "no kvtier-server answers at 127.0.0.1:1")):
+        proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--server", server],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+        assert proc.returncode == code and message in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and "cold" not in proc.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 
 log = logging.getLogger("kvtier.cli")
 
@@ -38,6 +39,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _hostport(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    return text
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str:
+    """Why nothing listens at ``address`` (host:port), or "" when a TCP connection opens."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``demo`` on the ``kvtier`` CLI's subparsers (the entry point's target)."""
     p = sub.add_parser(
@@ -59,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens (default 0)")
     p.add_argument("--dir", metavar="PATH",
                    help="directory for the disk tier (default: a fresh temporary one, removed after)")
-    p.add_argument("--server", metavar="HOST:PORT",
+    p.add_argument("--server", metavar="HOST:PORT", type=_hostport,
                    help="use a running kvtier-server (grpc tier) instead of the disk tier; the "
                         "server keeps the chunks, so a rerun's cold phase hits too")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -81,6 +99,11 @@ def _run_demo(ns: argparse.Namespace) -> int:
             result = demo.run_phase(opts, ns._phase)
             print(json.dumps(demo.asdict(result)), flush=True)
             return 0
+        why = _unreachable(ns.server) if ns.server else ""
+        if why:  # else both phases would run against a tier that misses everything
+            log.error("demo: no kvtier-server answers at %s (%s); start one with "
+                      "`kvtier-server --port PORT` and pass its grpc port", ns.server, why)
+            return 2
         child_flags = ["-v"] if ns.verbose else ["-q"] if ns.quiet else []
         report = demo.run_demo(opts, child_flags)
     except ModuleNotFoundError as exc:
