@@ -195,6 +195,9 @@ def test_cli_help_and_config_errors(tmp_path: Path) -> None:
     assert remote.returncode == 2 and "--allow-insecure-remote" in remote.stderr
     tiny = run("--default-quota", "64KiB", "--print-config")  # under the smallest tier: unenforceable
     assert tiny.returncode == 2 and "default_quota_bytes (65536) is under 1MiB" in tiny.stderr, tiny.stderr
+    stray = run("--redis-url", "redis://10.0.0.7:6379/0", "--print-config")  # no --lower redis
+    assert stray.returncode == 2 and "add --lower redis" in stray.stderr, stray.stderr
+    assert run("--lower", "redis", "--redis-url", "redis://10.0.0.7:6379/0", "--print-config").returncode == 0
     cfg = json.loads(run("--print-config", "--set", "cpu.capacity_bytes=2GiB").stdout)
     assert cfg["host"] == "127.0.0.1" and cfg["port"] == 50051 and cfg["cpu"]["capacity_bytes"] == 2 << 30
     (tmp_path / "s.yaml").write_text("port: 7001\ndisk: {enabled: true, path: /tmp/x}\n")

@@ -39,6 +39,7 @@ from kvtier.server.servicer import SERVICE, Endpoint, KVTierServicer
 from kvtier.server.storage import Storage
 from kvtier.server.usage import UsageAggregator
 from kvtier.server.usage_metrics import EngineUsageCollector
+from kvtier.tiers.redis.conn import parse_url
 
 log = logging.getLogger("kvtier.server")
 
@@ -153,7 +154,8 @@ class KVTierServer:
         parts += [f"{k}={hostport(cfg.host, v)}" for k, v in self.ports.items() if k != "grpc"]
         auth = f"auth on ({len(self.auth.tenants)} tenants)" if self.auth.enabled else "auth off"
         disk = f"disk={cfg.disk.path}" if cfg.disk.enabled else "no disk (RAM only)"
-        log.info("kvtier-server %s listening: %s; %s; %s", __version__, " ".join(parts), auth, disk)
+        lower = f"; lower tier redis at {parse_url(cfg.redis.url).display}" if cfg.lower == "redis" else ""
+        log.info("kvtier-server %s listening: %s; %s; %s%s", __version__, " ".join(parts), auth, disk, lower)
         if cfg.ready_file:
             doc = {"pid": os.getpid(), "host": cfg.host, "node_id": self.node_id,
                    **{f"{k}_port": v for k, v in self.ports.items()}}

@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as exc:
         print(f"kvtier-server: error: {exc}", file=sys.stderr)
         return 2
+    if args.redis_url is not None and cfg.lower != "redis":  # a flag that would do nothing
+        print(f"kvtier-server: error: --redis-url is given but lower is {cfg.lower!r}: add --lower redis",
+              file=sys.stderr)
+        return 2
     if args.print_config:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
         return 0
