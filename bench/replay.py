@@ -53,6 +53,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import workloads  # noqa: E402  (bench/ is on sys.path when this file runs as a script)
 
 from kvtier.analyze.belady import BeladyPolicy
+from kvtier.analyze.readers import LogError as TraceError
+from kvtier.analyze.readers import json_lines
 from kvtier.analyze.replay import replay_leading_hits
 from kvtier.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy
 
@@ -71,29 +73,19 @@ PERCENTS = (5, 10, 20, 40)
 Trace = list[list[bytes]]
 
 
-class TraceError(ValueError):
-    """A trace that cannot be replayed: names the file, the line and what is wrong."""
-
-
 def load_trace(path: Path) -> Trace:
     """One list of block keys per request (a Mooncake-format line: ``hash_ids``, a list of
     non-negative block ids); ids become 8-byte little-endian keys. Blank lines are skipped;
-    anything else malformed, or a trace without requests, raises :class:`TraceError`."""
+    anything else malformed, or a trace without requests, raises :class:`TraceError` (the
+    analyzer's LogError: it names the file and the line)."""
     requests: Trace = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
-            ids = obj.get("hash_ids") if isinstance(obj, dict) else None
-            if not isinstance(ids, list) or not all(
-                    isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in ids):
-                raise TraceError(f"{path}:{lineno}: expected an object whose 'hash_ids' is a list of "
-                                 "non-negative integer block ids (../shared/traces/README.md)")
-            requests.append([h.to_bytes(8, "little") for h in ids])
+    for lineno, obj in json_lines(path):
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in ids):
+            raise TraceError(f"{path}:{lineno}: expected an object whose 'hash_ids' is a list of "
+                             "non-negative integer block ids (../shared/traces/README.md)")
+        requests.append([h.to_bytes(8, "little") for h in ids])
     if not any(requests):
         raise TraceError(f"{path}: no request with blocks to replay")
     return requests

@@ -286,7 +286,7 @@ def test_replay_refuses_a_malformed_trace_by_line(tmp_path: Path) -> None:
     assert replay.load_trace(good) == [[i.to_bytes(8, "little") for i in ids] for ids in ([1, 2, 3], [1, 2, 4])]
     cases = {'{"input_length": 10}\n': ":1: expected an object", '{"hash_ids": [1]}\nnot json\n': ":2: not JSON",
              '{"hash_ids": [1, -2]}\n': ":1: expected", '{"hash_ids": [true]}\n': ":1: expected",
-             "[1, 2]\n": ":1: expected", "\n": "no request with blocks"}
+             "[1, 2]\n": ":1: each line must be a JSON object", "\n": "no request with blocks"}
     for i, (text, message) in enumerate(cases.items()):
         bad = tmp_path / f"bad{i}.jsonl"
         bad.write_text(text)

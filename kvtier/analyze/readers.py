@@ -89,7 +89,9 @@ def _int_list(value: Any, name: str, where: str) -> list[int]:
     return value
 
 
-def _lines(path: Path, progress: bool) -> Iterator[tuple[int, dict[str, Any]]]:
+def json_lines(path: Path, progress: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) per non-blank line of a JSONL file; :class:`LogError` naming the
+    file and line for one that is not a JSON object."""
     size = path.stat().st_size
     with path.open("rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="read",
                                     disable=not progress, leave=False) as bar:
@@ -180,7 +182,7 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
             add_tokens(ids, m)
         pending.clear()
 
-    for lineno, obj in _lines(p, progress):
+    for lineno, obj in json_lines(p, progress):
         where = f"{p}:{lineno}"
         if "hash_ids" in obj:
             kind = "mooncake"
