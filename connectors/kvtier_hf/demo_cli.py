@@ -12,6 +12,8 @@ import json
 import logging
 import socket
 
+from kvtier.protocol.addresses import parse_hostport
+
 log = logging.getLogger("kvtier.cli")
 
 DEMO_EPILOG = """\
@@ -40,17 +42,17 @@ def _positive(text: str) -> int:
 
 
 def _hostport(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    try:
+        parse_hostport(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)") from None
     return text
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str:
     """Why nothing listens at ``address`` (host:port), or "" when a TCP connection opens."""
-    host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection(parse_hostport(address), timeout=timeout_s).close()
     except OSError as exc:
         return str(exc)
     return ""

@@ -40,8 +40,8 @@ not (50 MiB of chunks into fresh K/V: 3.2 ms against 4.7 ms on one thread; in ``
 the restore's copy time fell from 109 to 76-94 ms over its six restores, 2026-12-05).
 
 Threads: ``READS_IN_FLIGHT`` reader threads and one copier thread per call, joined before
-returning; one restore at a time per staging ring (its lock). Failure: as ``PrefixCache``: a missing or refused chunk
-ends the restored prefix (never an exception for store trouble).
+returning; one restore at a time per staging ring (its lock). Failure: as ``PrefixCache``: a
+missing or refused chunk ends the restored prefix (never an exception for store trouble).
 """
 
 from __future__ import annotations

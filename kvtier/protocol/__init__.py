@@ -6,7 +6,8 @@
   reader with limits, parsers); fuzzed by the tests.
 - ``session``: which frame may come when, on each side of a connection, sans-I/O.
 - ``socket_io``: the two blocking socket loops both ends share (send all, read one frame).
-- ``addresses``: which addresses are this machine (shared memory and clear text rules).
+- ``addresses``: parsing host:port, and which addresses are this machine (shared memory and
+  clear text rules).
 
 Nothing here imports the server or a tier.
 """

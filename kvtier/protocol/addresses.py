@@ -1,4 +1,5 @@
-"""Which peer addresses are this machine: where shared memory and clear text are safe.
+"""Peer addresses: parsing ``host:port``, and which addresses are this machine (where shared
+memory and clear text are safe).
 
 Used by the server (clear text only on loopback unless explicitly allowed) and by the remote
 tier (``data_path: auto`` takes shared memory only towards a loopback address).
@@ -7,6 +8,15 @@ tier (``data_path: auto`` takes shared memory only towards a loopback address).
 from __future__ import annotations
 
 import ipaddress
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host without brackets, port in 1..65535); ValueError
+    otherwise (callers re-raise it in their own words: a setting's name, an example)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host.strip("[]"), int(port)
 
 
 def is_loopback(host: str) -> bool:

@@ -26,7 +26,7 @@ from kvtier.config import (
     value_range,
 )
 from kvtier.errors import ConfigError
-from kvtier.protocol.addresses import is_loopback
+from kvtier.protocol.addresses import is_loopback, parse_hostport
 from kvtier.server.auth import MIN_QUOTA_BYTES
 
 MiB = 1 << 20
@@ -135,9 +135,10 @@ class ServerConfig:
 
             check_endpoint(self.events_endpoint)
         for peer in self.peers:
-            host, sep, port = peer.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"peers: {peer!r} is not host:http_port")
+            try:
+                parse_hostport(peer)
+            except ValueError:
+                raise ConfigError(f"peers: {peer!r} is not host:http_port") from None
         if not self.tls and not is_loopback(self.host) and not self.allow_insecure_remote:
             raise ConfigError(
                 f"host {self.host!r} is not a loopback address and TLS is off: tokens and chunks "

@@ -21,6 +21,8 @@ import socket
 from collections.abc import Callable, Sequence
 from importlib import import_module
 
+from kvtier.protocol.addresses import parse_hostport
+
 Resolver = Callable[[], Sequence[str]]
 
 
@@ -74,10 +76,11 @@ def resolver_for(discovery: str) -> Resolver:
     """The resolver a ``grpc.discovery`` value names; ValueError naming what is wrong."""
     kind, _, rest = discovery.partition(":")
     if kind == "dns":
-        host, sep, port = rest.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"grpc.discovery: {discovery!r}: expected dns:HOST:PORT")
-        return dns_resolver(host.strip("[]"), int(port))
+        try:
+            host, port = parse_hostport(rest)
+        except ValueError:
+            raise ValueError(f"grpc.discovery: {discovery!r}: expected dns:HOST:PORT") from None
+        return dns_resolver(host, port)
     if kind == "srv" and rest:
         return srv_resolver(rest)
     raise ValueError(f"grpc.discovery: {discovery!r}: expected dns:HOST:PORT or srv:NAME")
