@@ -275,7 +275,11 @@ def main() -> None:
     # Room for every repeat's pages (each repeat stores new ones) and no more: all backends are
     # alive at once, on a machine other jobs share.
     slot = -(-(int(page_mib * 2**20) + 4096) // 4096) * 4096    # one page chunk (header + page)
-    room = str(slot * args.pages * (args.repeats + 2) + (64 << 20))
+
+    def room_for(slot_bytes: int) -> str:
+        return str(slot_bytes * args.pages * (args.repeats + 2) + (64 << 20))
+
+    room = room_for(slot)
     backends = [Backend("file", "file", {"file_storage_path": str(work / "file")}, args, [])]
     if "disk" in tiers:
         backends.append(Backend("file-cold", "file", {"file_storage_path": str(work / "file-cold")}, args, [],
@@ -300,8 +304,7 @@ def main() -> None:
                 tier_slot = slot
                 if huge:  # each chunk's slot rounded up to whole huge pages: more room
                     tier_slot = -(-slot // HUGE) * HUGE
-                    size, flags = str(tier_slot * args.pages * (args.repeats + 2) + (64 << 20)), \
-                        ("--set", "cpu.huge_pages=true")
+                    size, flags = room_for(tier_slot), ("--set", "cpu.huge_pages=true")
                 node = start_server(work / tier, "--cpu-bytes", size, "--slot-bytes", str(tier_slot), *flags)
                 nodes.append(node)
                 extra = {"cpu": {"enabled": False}, "grpc": {"enabled": True, "nodes": [node.address]}}
