@@ -2,7 +2,7 @@
  * kvtier.server.put_run; the data plane's Python frame loop is the reference).
  *
  *     bind_hash(path) -> bool
- *     recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)
+ *     recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece, seg) -> (items, have)
  *     copy_hash(dst, src, hash_from, piece) -> int   (the shared-memory PUT's copy; below)
  *
  * bind_hash: look up the streaming XXH3_64bits functions (the CPU-dispatched update where
@@ -15,13 +15,20 @@
  * fits the next slot: its keys go to keys[64*j:], its chunk to slots[j] in pieces of `piece`
  * bytes, each hashed (xxh3 of chunk[hash_from:], 0 for a shorter chunk) as soon as it is in,
  * and, in the call that takes the last piece, the next frame's header to head when MORE is
- * set. The GIL is released for the whole run. It stops after a frame without MORE (have = 0:
- * the batch ended), when the slots are used up, or at a header it does not take (have =
- * HEADER_SIZE, the header in head: the caller's reader deals with it, so its checks and error
- * messages stay the only ones). items: one (flags, count, length, hash) per frame received,
- * `length` the whole body. Nothing here validates a chunk: the caller verifies each against
- * its hash. Errors: EOF -> ConnectionError; a socket error (SO_RCVTIMEO expiry included) ->
- * OSError. After an exception the items received are lost and the connection is not usable.
+ * set. A PUT with flag SHM too, where `seg` (the connection's mapped shared segment; empty:
+ * none) is given: its body is keys || offset u64 || length u64, and its chunk is seg[offset:
+ * offset+length], copied into slots[j] piece by piece, each piece hashed right after it is
+ * copied (what is verified is the copy stored, whatever the client does to its segment
+ * meanwhile). The GIL is released for the whole run. It stops after a frame without MORE
+ * (have = 0: the batch ended), when the slots are used up, or at a frame it does not take:
+ * have = HEADER_SIZE with that header in head, or, for a reference outside the segment, empty
+ * or larger than the slot, have = HEADER_SIZE + its body, the whole frame in head (head must
+ * hold HEADER_SIZE + 2*KEY_BYTES + REF_SIZE bytes): the caller's reader deals with it, so its
+ * checks and error messages stay the only ones. items: one (flags, count, length, hash) per
+ * frame received, `length` the whole body as if the chunk had been inline (flags keep SHM).
+ * Nothing here validates a chunk: the caller verifies each against its hash. Errors: EOF ->
+ * ConnectionError; a socket error (SO_RCVTIMEO expiry included) -> OSError. After an
+ * exception the items received are lost and the connection is not usable.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,6 +42,8 @@
 #define KEY_BYTES 32
 #define FLAG_MORE 1
 #define FLAG_PARENT 2
+#define FLAG_SHM 4
+#define REF_SIZE 16 /* offset u64 || length u64, little-endian */
 
 /* The xxhash package's streaming XXH3 (its state is opaque here: made by XXH3_createState). */
 typedef void *(*create_fn)(void);
@@ -122,7 +131,45 @@ typedef struct {
     char *keys;
     size_t hash_from, piece;
     void *state;
+    const char *seg; /* the shared segment, NULL: SHM frames are not taken */
+    size_t seg_len;
 } run_t;
+
+/* Copy src into dst (n bytes) piece by piece, hashing each piece of dst[hash_from:] right
+ * after it is copied, into the reset state; the digest (0 for n < hash_from). */
+static uint64_t copy_hash_into(void *state, char *dst, const char *src, size_t n, size_t hash_from, size_t step) {
+    xxh_reset(state);
+    for (size_t done = 0; done < n; done += step) {
+        size_t len = n - done < step ? n - done : step;
+        memcpy(dst + done, src + done, len);
+        size_t from = done > hash_from ? done : hash_from;
+        if (done + len > from)
+            xxh_update(state, dst + from, done + len - from);
+    }
+    return n >= hash_from ? xxh_digest(state) : 0;
+}
+
+/* A PUT whose chunk is a reference into the segment (the header in r->head): its body into
+ * head after the header; then, when the reference lies in the segment and fits the slot, the
+ * keys to keys_out and the chunk copied and hashed into buf. 1: taken (*chunk, *digest set);
+ * 0: not taken (have = the whole frame, in head); -1: a socket error or EOF (*err). */
+static int take_ref(run_t *r, size_t keylen, uint64_t length, char *keys_out, char *buf, Py_ssize_t cap,
+                    uint64_t *chunk, uint64_t *digest, int *err) {
+    if (r->seg == NULL || length != keylen + REF_SIZE)
+        return 0; /* header only in head: the reader refuses it with its own message */
+    struct iovec iov[1] = {{r->head + HEADER_SIZE, (size_t)length}};
+    if ((*err = recv_exact(r->fd, iov, 1)) != 0)
+        return -1;
+    uint64_t off = le64(r->head + HEADER_SIZE + keylen), n = le64(r->head + HEADER_SIZE + keylen + 8);
+    if (n == 0 || n > (uint64_t)cap || off > r->seg_len || n > r->seg_len - off) {
+        r->have = (Py_ssize_t)(HEADER_SIZE + length);
+        return 0;
+    }
+    memcpy(keys_out, r->head + HEADER_SIZE, keylen);
+    *digest = copy_hash_into(r->state, buf, r->seg + off, (size_t)n, r->hash_from, r->piece);
+    *chunk = n;
+    return 1;
+}
 
 /* The loop itself, without the GIL: frames into slots bufs[0..n) (lens: their sizes), one
  * item each in items. Returns how many; *err: 0, -1 (EOF) or an errno. */
@@ -141,13 +188,32 @@ static Py_ssize_t run_frames(run_t *r, char **bufs, Py_ssize_t *lens, Py_ssize_t
         int flags = h[3];
         uint64_t length = le64(h + 8);
         size_t keylen = flags & FLAG_PARENT ? 2 * KEY_BYTES : KEY_BYTES;
-        if (h[0] != 'K' || h[1] != 'W' || h[2] != r->put_type || (flags & ~(FLAG_MORE | FLAG_PARENT)) ||
-            length <= keylen || length - keylen > (uint64_t)lens[j])
+        if (h[0] != 'K' || h[1] != 'W' || h[2] != r->put_type || (flags & ~(FLAG_MORE | FLAG_PARENT | FLAG_SHM)))
             return j; /* not one this loop takes: the caller's reader gets the header */
-        size_t chunk = (size_t)(length - keylen);
         int more = flags & FLAG_MORE;
         items[j].flags = flags;
         items[j].count = (uint32_t)h[4] | (uint32_t)h[5] << 8 | (uint32_t)h[6] << 16 | (uint32_t)h[7] << 24;
+        if (flags & FLAG_SHM) {
+            uint64_t chunk_len = 0;
+            int took = take_ref(r, keylen, length, r->keys + j * 2 * KEY_BYTES, bufs[j], lens[j], &chunk_len,
+                                &items[j].digest, err);
+            if (took <= 0)
+                return j;
+            items[j].length = keylen + chunk_len;
+            if (more) { /* the next header: read only now, so the client fills its next chunk meanwhile */
+                iov[0].iov_base = h;
+                iov[0].iov_len = HEADER_SIZE;
+                if ((*err = recv_exact(r->fd, iov, 1)) != 0)
+                    return j;
+            }
+            r->have = more ? HEADER_SIZE : 0;
+            if (!more)
+                return j + 1;
+            continue;
+        }
+        if (length <= keylen || length - keylen > (uint64_t)lens[j])
+            return j;
+        size_t chunk = (size_t)(length - keylen);
         items[j].length = length;
         xxh_reset(r->state);
         /* The chunk in pieces, each hashed as soon as it is in: while its bytes are still in
@@ -200,20 +266,9 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    char *d = dst.buf;
-    const char *sbuf = src.buf;
-    size_t n = (size_t)dst.len, from0 = (size_t)hash_from, step = (size_t)piece;
     uint64_t digest;
     Py_BEGIN_ALLOW_THREADS
-    xxh_reset(st);
-    for (size_t done = 0; done < n; done += step) {
-        size_t len = n - done < step ? n - done : step;
-        memcpy(d + done, sbuf + done, len);
-        size_t from = done > from0 ? done : from0;
-        if (done + len > from)
-            xxh_update(st, d + from, done + len - from);
-    }
-    digest = n >= from0 ? xxh_digest(st) : 0;
+    digest = copy_hash_into(st, dst.buf, src.buf, (size_t)dst.len, (size_t)hash_from, (size_t)piece);
     Py_END_ALLOW_THREADS
     out = PyLong_FromUnsignedLongLong(digest);
 done:
@@ -228,11 +283,11 @@ done:
 
 static PyObject *recv_puts(PyObject *self, PyObject *args) {
     run_t r;
-    Py_buffer head, keys;
+    Py_buffer head, keys, seg;
     Py_ssize_t hash_from, piece;
     PyObject *slots;
-    if (!PyArg_ParseTuple(args, "iw*nw*O!inn", &r.fd, &head, &r.have, &keys, &PyList_Type, &slots,
-                          &r.put_type, &hash_from, &piece))
+    if (!PyArg_ParseTuple(args, "iw*nw*O!inny*", &r.fd, &head, &r.have, &keys, &PyList_Type, &slots,
+                          &r.put_type, &hash_from, &piece, &seg))
         return NULL;
     PyObject *out = NULL;
     Py_ssize_t n = PyList_GET_SIZE(slots), held = 0;
@@ -245,7 +300,7 @@ static PyObject *recv_puts(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "recv_puts: bind_hash has not succeeded");
         goto done;
     }
-    if (head.len != HEADER_SIZE || r.have < 0 || r.have > HEADER_SIZE || hash_from < 0 || piece <= 0 ||
+    if (head.len != HEADER_SIZE + 2 * KEY_BYTES + REF_SIZE || r.have < 0 || r.have > HEADER_SIZE || hash_from < 0 || piece <= 0 ||
         n > MAX_SLOTS || keys.len < n * 2 * KEY_BYTES) {
         PyErr_SetString(PyExc_ValueError, "recv_puts: bad arguments");
         goto done;
@@ -263,6 +318,8 @@ static PyObject *recv_puts(PyObject *self, PyObject *args) {
     }
     r.head = head.buf;
     r.keys = keys.buf;
+    r.seg = seg.len > 0 ? seg.buf : NULL;
+    r.seg_len = (size_t)seg.len;
     r.hash_from = (size_t)hash_from;
     r.piece = (size_t)piece;
     Py_ssize_t got;
@@ -299,6 +356,7 @@ done:
         PyBuffer_Release(&bufs[j]);
     PyBuffer_Release(&head);
     PyBuffer_Release(&keys);
+    PyBuffer_Release(&seg);
     return out;
 }
 
@@ -306,7 +364,7 @@ static PyMethodDef methods[] = {
     {"bind_hash", bind_hash, METH_VARARGS, "bind_hash(path) -> bool"},
     {"copy_hash", copy_hash, METH_VARARGS, "copy_hash(dst, src, hash_from, piece) -> int"},
     {"recv_puts", recv_puts, METH_VARARGS,
-     "recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece) -> (items, have)"},
+     "recv_puts(fd, head, have, keys, slots, put_type, hash_from, piece, seg) -> (items, have)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -323,6 +381,7 @@ PyMODINIT_FUNC PyInit__putloop(void) {
         PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MORE", FLAG_MORE) < 0 ||
         PyModule_AddIntConstant(m, "PARENT", FLAG_PARENT) < 0 ||
+        PyModule_AddIntConstant(m, "SHM", FLAG_SHM) < 0 || PyModule_AddIntConstant(m, "REF_SIZE", REF_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0) {
         Py_DECREF(m);
         return NULL;

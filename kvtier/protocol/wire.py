@@ -27,6 +27,7 @@ MORE = 1
 PARENT = 2
 SHM = 4
 _REF = struct.Struct("<QQ")
+REF_SIZE = _REF.size  # a shared-memory reference in a frame body: offset u64 || length u64
 _SMALL = 64 << 10  # bound of control bodies (HELLO, WELCOME, ERROR, MISS, LOOKUP_REPLY)
 HELLO_MAX = 4096  # a bearer token is at most 4096 characters (kvtier.server.auth)
 

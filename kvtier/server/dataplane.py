@@ -230,7 +230,7 @@ class DataPlane:
             while not self._draining:
                 conn.idle = not batch.flags
                 if runs is not None and pending is None and reader.body_type is None and batch.error is None:
-                    ended, pending = runs.receive(session, reader, partial(self._put_run_item, store, batch))
+                    ended, pending = runs.receive(session, reader, partial(self._put_run_item, store, batch), seg.view)
                     if ended:
                         conn.idle = False
                         self._reply_put(sock, store, batch)
@@ -306,18 +306,17 @@ class DataPlane:
         self.metrics.seconds.labels("data.Lookup").observe(time.perf_counter() - start)
 
     def _put_item(self, store: TenantStore, item: PutItem, batch: _Batch, shm: memoryview | None,
-                  reserved: Reservation | None = None, payload_hash: int | None = None) -> None:
+                  reserved: Reservation | None = None, payload_hash: int | None = None, path: str = "socket") -> None:
         """Store one item of ``batch`` unless an earlier one was refused (then it is only
-        drained). ``reserved``: the RAM slot the chunk was received into (``item.chunk`` views
-        it), published only once the chunk is verified; ``payload_hash``: its xxh3, where the
-        receiver computed it."""
+        drained). ``reserved``: the RAM slot the chunk was received (or copied) into
+        (``item.chunk`` views it), published only once the chunk is verified; ``payload_hash``:
+        its xxh3, where the receiver computed it; ``path``: how its bytes came (a metric label)."""
         if batch.error is not None:
             if reserved is not None:
                 store.abort(reserved)
             batch.flags.append(False)
             return
         chunk = item.chunk
-        path = "socket"
         if isinstance(chunk, ShmRef):
             if shm is None or not chunk.within(shm.nbytes):
                 raise ProtocolError(f"PUT references {chunk} outside any mapped segment")
@@ -344,9 +343,9 @@ class DataPlane:
         self._bytes_in[path].inc(chunk.nbytes)
 
     def _put_run_item(self, store: TenantStore, batch: _Batch, item: PutItem, reserved: Reservation,
-                      payload_hash: int) -> bool:
+                      payload_hash: int, path: str) -> bool:
         """An item a PUT run received (kvtier.server.put_run); whether the batch still takes items."""
-        self._put_item(store, item, batch, None, reserved, payload_hash)
+        self._put_item(store, item, batch, None, reserved, payload_hash, path)
         return batch.error is None
 
     @staticmethod

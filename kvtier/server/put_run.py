@@ -12,10 +12,17 @@ with xxh3 as soon as it is in, while still in cache), the GIL released for the w
 Python then hands each item to the data plane exactly as if its frame had been read here
 (the same session checks, the same verification, with the hash computed already).
 
-Only plain TCP connections to a store that takes direct puts (RAM only) use it; TLS, shared
-memory references and a store that would have to evict keep the frame-by-frame path, as
-does any frame the C loop does not take (its header goes back to the frame reader, whose
-checks and messages stay the only ones). Where the extension is not built, or its hash does
+A PUT whose chunk is a reference into the connection's shared segment is taken by the same
+loop: the chunk is copied from the segment into the slot and hashed piece by piece as it is
+copied. Without it, each such item cost the server a frame read, a copy call and the commit,
+each a GIL hand-off, and four connections queued on the GIL with the CPU a third idle
+(bench/remote.py, ``shm_put_vs_memcpy``).
+
+Only plain TCP connections to a store that takes direct puts (RAM only) use it; TLS and a
+store that would have to evict keep the frame-by-frame path, as does any frame the C loop
+does not take (its header, or for a reference outside the segment, empty or larger than a
+slot, the whole frame, goes back to the frame reader, whose checks and messages stay the
+only ones). Where the extension is not built, or its hash does
 not match the xxhash package's, :func:`available` is False and nothing changes.
 
 Threads: one :class:`PutRuns` per connection, used by that connection's thread only.
@@ -34,7 +41,7 @@ from kvtier.chunk import HEADER_SIZE as CHUNK_HEADER_SIZE
 from kvtier.keys import KEY_BYTES
 from kvtier.protocol.frames import MORE, PARENT, PUT, SHM, Frame, FrameHeader, FrameReader, PutItem
 from kvtier.protocol.session import ServerSession
-from kvtier.protocol.wire import HEADER_SIZE
+from kvtier.protocol.wire import HEADER_SIZE, REF_SIZE
 from kvtier.server.storage import TenantStore
 from kvtier.tiers.cpu import Reservation
 
@@ -50,8 +57,9 @@ def _load() -> Any:
         from kvtier import _putloop
     except ImportError:
         return None
-    consts = (_putloop.HEADER_SIZE, _putloop.KEY_BYTES, _putloop.MORE, _putloop.PARENT)
-    if consts != (HEADER_SIZE, KEY_BYTES, MORE, PARENT):
+    consts = (_putloop.HEADER_SIZE, _putloop.KEY_BYTES, _putloop.MORE, _putloop.PARENT, _putloop.SHM,
+              _putloop.REF_SIZE)
+    if consts != (HEADER_SIZE, KEY_BYTES, MORE, PARENT, SHM, REF_SIZE):
         log.warning("kvtier._putloop was built for another wire format %s: not used", consts)
         return None
     if not _putloop.bind_hash(xxhash._xxhash.__file__):  # type: ignore[attr-defined]
@@ -124,8 +132,9 @@ class DirectPut:
             self.store.abort(res)
 
 
-# (item, its slot, payload xxh3) -> whether the batch still takes items (False: refused)
-PutSink = Callable[[PutItem, Reservation, int], bool]
+# (item, its slot, payload xxh3, its path: "socket" or "shm") -> whether the batch still takes
+# items (False: refused)
+PutSink = Callable[[PutItem, Reservation, int, str], bool]
 
 
 class PutRuns:
@@ -135,13 +144,14 @@ class PutRuns:
         self.sock = sock
         self.store = store
         self.capacity = min(max_chunk, store.ram.slot_bytes) if store.ram is not None else 0
-        self._head = bytearray(HEADER_SIZE)
+        self._head = bytearray(HEADER_SIZE + 2 * KEY_BYTES + REF_SIZE)  # a reference frame, whole
         self._keys = bytearray(RUN_SLOTS * 2 * KEY_BYTES)
 
-    def receive(self, session: ServerSession, reader: FrameReader, sink: PutSink) -> tuple[bool, Frame | None]:
+    def receive(self, session: ServerSession, reader: FrameReader, sink: PutSink,
+                shm: memoryview | None = None) -> tuple[bool, Frame | None]:
         """Read the next frame's header (``reader`` must be between frames); while frames are
-        plain PUTs and RAM slots are free, receive them in runs, giving each item to ``sink``
-        in order. Returns (ended, frame): ``ended`` when the last item received ended its
+        plain PUTs (inline, or referencing ``shm``, the connection's mapped segment) and RAM
+        slots are free, receive them in runs, giving each item to ``sink`` in order. Returns (ended, frame): ``ended`` when the last item received ended its
         batch (reply now); else the header of the frame to go on with is in ``reader``
         (``frame``: that frame, when its header was all of it; None: ``read_frame`` reads its
         body). Raises what the socket or the session raises; on any exception the slots not
@@ -154,28 +164,29 @@ class PutRuns:
                 self.store.reserve_many(self.capacity, RUN_SLOTS)
                 if accepting and self.capacity and self._head[2] == PUT else [])
             if not slots:
-                return False, self._hand_back(reader)
+                return False, self._hand_back(reader, have)
             try:
                 items, have = _PUTLOOP.recv_puts(self.sock.fileno(), self._head, have, self._keys,
                                                  [res.view for res in slots if res is not None],
-                                                 PUT, CHUNK_HEADER_SIZE, PIECE)
+                                                 PUT, CHUNK_HEADER_SIZE, PIECE, b"" if shm is None else shm)
                 for j, (flags, count, length, digest) in enumerate(items):
                     res, slots[j] = slots[j], None  # the sink owns it now
                     assert res is not None
                     keylen = 2 * KEY_BYTES if flags & PARENT else KEY_BYTES
                     chunk = res.view[: length - keylen]
                     keys = memoryview(self._keys)[j * 2 * KEY_BYTES : j * 2 * KEY_BYTES + keylen]
-                    item = session.accept(Frame(FrameHeader(PUT, flags, count, length), keys, chunk))
+                    # The session sees the frame as if its chunk had come inline (it has: into the slot).
+                    item = session.accept(Frame(FrameHeader(PUT, flags & ~SHM, count, length), keys, chunk))
                     assert isinstance(item, PutItem)
-                    accepting = sink(item, Reservation(res.slot, chunk), digest)
+                    accepting = sink(item, Reservation(res.slot, chunk), digest, "shm" if flags & SHM else "socket")
             finally:
                 for left in slots:
                     if left is not None:
                         self.store.abort(left)
             if have == 0:
                 return True, None
-            if not items:  # a header the loop does not take
-                return False, self._hand_back(reader)
+            if not items or have > HEADER_SIZE:  # a frame the loop does not take
+                return False, self._hand_back(reader, have)
 
     def _read_header(self) -> None:
         """The next frame's header into ``_head``, before any slot is reserved: a connection
@@ -187,7 +198,12 @@ class PutRuns:
                 raise ConnectionError("peer closed the connection")
             got += n
 
-    def _hand_back(self, reader: FrameReader) -> Frame | None:
-        """Put the header in ``_head`` into ``reader``: the frame, when that completes it."""
-        reader.buffer()[:HEADER_SIZE] = self._head
-        return reader.advance(HEADER_SIZE)
+    def _hand_back(self, reader: FrameReader, have: int) -> Frame | None:
+        """Put what ``_head`` holds (the header, or a reference frame whole) into ``reader``:
+        the frame, when that completes it."""
+        reader.buffer()[:HEADER_SIZE] = self._head[:HEADER_SIZE]
+        frame = reader.advance(HEADER_SIZE)
+        if have > HEADER_SIZE:  # the body too: it fits the reader's buffer (SHM frames take no target)
+            reader.buffer()[: have - HEADER_SIZE] = self._head[HEADER_SIZE:have]
+            frame = reader.advance(have - HEADER_SIZE)
+        return frame
