@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Sequence
 
+from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import Buffers, encode_chunk, encode_chunk_ref, encode_miss
 from kvtier.protocol.socket_io import send_all
 from kvtier.server.metrics import ServerMetrics
@@ -98,7 +99,7 @@ class GetReplier:
         if view is not None:
             if view.nbytes > room.nbytes:
                 return None
-            room[: view.nbytes] = view
+            copy_into(room[: view.nbytes], view)  # the GIL released: connections copy at once
             ref: int | Miss = view.nbytes
         else:
             try:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import (
     CHUNK,
     ERROR,
@@ -364,6 +365,6 @@ class DataConn:
             return bytes(src)
         if target.nbytes < ref.length:
             raise ValueError(f"buffer of {target.nbytes} bytes is too small for a {ref.length}-byte chunk")
-        target[: ref.length] = src
+        copy_into(target[: ref.length], src)  # the GIL released: other threads run meanwhile
         return ref.length
 

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import (
     ERROR as FRAME_ERROR,
 )
@@ -349,7 +350,7 @@ class SocketDataPath:
                 if isinstance(e, FilledEntry):
                     e.fill(room)
                 else:
-                    room[:] = memoryview(e.data).cast("B")
+                    copy_into(room, memoryview(e.data).cast("B"))  # the GIL released meanwhile
                 send_all(conn.sock, encode_put_ref(e.key, offset, n, e.depth, e.parent, i < last))
                 offset += (n + 63) & ~63
             else:
