@@ -231,3 +231,33 @@ def test_a_tenant_whose_ram_is_smaller_than_a_slot_is_told(caplog: pytest.LogCap
     warned = [r.getMessage() for r in caplog.records if "smaller than cpu.slot_bytes" in r.getMessage()]
     assert warned == ["tenant 'small': its RAM (1048576 bytes) is smaller than cpu.slot_bytes (4194304): "
                       "its slots shrink to 1048576 bytes and larger chunks are refused"]
+
+
+
+def test_a_put_run_reserves_only_what_the_ram_budget_still_holds() -> None:
+    """The data path's PUT runs reserve several RAM slots at once (TenantStore.reserve_many):
+    never more than fit in what the shared RAM budget has left after every tenant's chunks
+    (the run reads the budget once), never more than asked, and the slots go back whole."""
+    slot = 64 << 10
+    storage = Storage([Tenant("busy"), Tenant("quiet")], CpuTierConfig(capacity_bytes=16 * slot, slot_bytes=slot),
+                      DiskTierConfig(enabled=False))
+    busy, quiet = storage.store("busy"), storage.store("quiet")
+    try:
+        keys = make_keys(5, seed=4)
+        chunks = [make_chunk(k, slot - 4096, seed=i) for i, k in enumerate(keys)]
+        assert quiet.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 5
+        left = 16 * slot - sum(len(c) for c in chunks)  # what the budget still holds: 11 slots
+        assert left // slot == 11
+        run = busy.reserve_many(slot, 64)
+        assert len(run) == 11  # the budget bounds it, not the tenant's own free slots
+        for res in run:
+            busy.abort(res)
+        few = busy.reserve_many(slot, 3)
+        assert len(few) == 3  # never more than asked
+        for res in few:
+            busy.abort(res)
+        assert busy.reserve_many(slot + 1, 4) == []  # larger than a slot: the caller's copying path
+        assert storage.check() == []
+        assert quiet.get(keys) == chunks  # nothing the other tenant holds was touched
+    finally:
+        storage.close()

@@ -201,23 +201,36 @@ class TenantStore:
         put here is more than a RAM put (a disk tier below, a subclass with ``direct_puts``
         off), when it would take an eviction (no free slot, or the RAM pool is full) or the
         chunk does not fit a slot: the caller then verifies first and uses :meth:`put`."""
-        ram = self.ram
-        if ram is None or self.disk is not None or not self.direct_puts or nbytes > ram.slot_bytes:
-            return None
-        if self.ram_pool is not None and not self.ram_pool.fits(nbytes):
+        ram = self._direct_ram(nbytes)
+        if ram is None or (self.ram_pool is not None and not self.ram_pool.fits(nbytes)):
             return None
         return ram.reserve(nbytes)
 
     def reserve_many(self, nbytes: int, most: int) -> list[Reservation]:
         """Up to ``most`` reservations of ``nbytes`` each (see :meth:`reserve`), no more than
-        fit together in the RAM pool's budget: the data path's PUT runs hold several at once."""
+        fit together in the RAM pool's budget: the data path's PUT runs hold several at once.
+        The budget is read once for the run (a pass over every tenant's usage: with many
+        tenants, once per slot cost more than the slot)."""
+        ram = self._direct_ram(nbytes)
+        if ram is None:
+            return []
+        if self.ram_pool is not None:
+            most = min(most, self.ram_pool.room() // max(1, nbytes))
         out: list[Reservation] = []
-        while len(out) < most and (self.ram_pool is None or self.ram_pool.fits((len(out) + 1) * nbytes)):
-            res = self.reserve(nbytes)
+        while len(out) < most:
+            res = ram.reserve(nbytes)
             if res is None:
                 break
             out.append(res)
         return out
+
+    def _direct_ram(self, nbytes: int) -> CpuTier | None:
+        """The RAM tier, where a chunk of ``nbytes`` may be received straight into one of its
+        slots (see :meth:`reserve`)."""
+        ram = self.ram
+        if ram is None or self.disk is not None or not self.direct_puts or nbytes > ram.slot_bytes:
+            return None
+        return ram
 
     def commit(self, res: Reservation, entry: Entry) -> bool:
         """Publish a reserved chunk (already verified by the caller) as ``entry``; counted as
