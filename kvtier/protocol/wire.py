@@ -28,6 +28,14 @@ PARENT = 2
 SHM = 4
 _REF = struct.Struct("<QQ")
 REF_SIZE = _REF.size  # a shared-memory reference in a frame body: offset u64 || length u64
+SEGMENT_ALIGN = 64  # a chunk placed in a shared segment starts on a cache-line boundary
+
+
+def placed_bytes(nbytes: int) -> int:
+    """Bytes a chunk of ``nbytes`` takes in a shared segment, its alignment padding included
+    (both sides place a request's chunks one after another from the segment's start)."""
+    return (nbytes + SEGMENT_ALIGN - 1) & ~(SEGMENT_ALIGN - 1)
+
 _SMALL = 64 << 10  # bound of control bodies (HELLO, WELCOME, ERROR, MISS, LOOKUP_REPLY)
 HELLO_MAX = 4096  # a bearer token is at most 4096 characters (kvtier.server.auth)
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import Buffers, encode_chunk, encode_chunk_ref, encode_miss
 from kvtier.protocol.socket_io import send_all
+from kvtier.protocol.wire import placed_bytes
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.storage import TenantStore
 from kvtier.tiers.base import Miss
@@ -71,7 +72,7 @@ class GetReplier:
                         parts = []
                     n = self._put_in_segment(conn, store, key, view, i, shm, offset)
                     if n is not None:
-                        offset += (n + 63) & ~63 if n > 0 else 0  # cache-line aligned starts
+                        offset += placed_bytes(n) if n > 0 else 0  # as the client places them (cuts its requests)
                         shared += max(n, 0)
                         continue
                 if view is not None:  # straight from the arena to the socket, no copy

@@ -31,10 +31,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
-
-import grpc
 
 from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import (
@@ -56,13 +54,14 @@ from kvtier.protocol.frames import (
     welcome_ops,
 )
 from kvtier.protocol.socket_io import send_all
+from kvtier.protocol.wire import placed_bytes
 from kvtier.tiers.base import ABSENT, ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe
+from kvtier.tiers.remote.batching import request_spans
 from kvtier.tiers.remote.data_conn import DataConn, Visit
-from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk
+from kvtier.tiers.remote.errors import REQUEST_CODES, NodeError, check_chunk, io_error, refused
 from kvtier.tiers.remote.heap import retain_freed_blocks
 
 T = TypeVar("T")
-_REQUEST_CODES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
 class SocketDataPath:
@@ -77,6 +76,8 @@ class SocketDataPath:
         self.server_hostname = server_hostname
         self.limits = limits
         self.shm = shm  # still wanted: cleared when a segment cannot be mapped
+        self._segment_bytes = 0  # a mapped segment's size: requests are cut to fit it
+        self._chunk_hint = 0  # the largest chunk of the last GET: how many keys a GET fits
         self._idle: list[DataConn] = []
         self._slots = threading.BoundedSemaphore(connections)
         self._lock = threading.Lock()
@@ -105,18 +106,20 @@ class SocketDataPath:
             send_all(conn.sock, encode_hello(self.token))
             frame = conn.read(deadline)
             if frame.type == FRAME_ERROR:
-                code = _REQUEST_CODES.get(frame.header.count, "UNKNOWN")
+                code = REQUEST_CODES.get(frame.header.count, "UNKNOWN")
                 raise NodeError(ERROR, f"data path {self.host}:{self.port}: {code}: {parse_text(frame)}", down=True, code=code)
             conn.ops = welcome_ops(parse_welcome(frame))
             if self.shm and not conn.open_shm(deadline):
                 self.shm = False
+            if conn.shm is not None:
+                self._segment_bytes = conn.shm.nbytes
             return conn
         except NodeError:
             sock.close()
             raise
         except (OSError, ProtocolError, ssl.SSLError) as exc:
             sock.close()
-            raise _io_error(exc, f"data path {self.host}:{self.port} handshake") from None
+            raise io_error(exc, f"data path {self.host}:{self.port} handshake") from None
 
     def _checkout(self, deadline: float) -> DataConn:
         """A connection for one request (idle or new), waiting for one within ``deadline``."""
@@ -163,11 +166,30 @@ class SocketDataPath:
         self._slots.release()
 
     # --- verbs ------------------------------------------------------------------------------------
+    def _spans(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """The requests a verb cuts its keys into (kvtier.tiers.remote.batching)."""
+        return request_spans(sizes, self.limits.max_batch_keys, self._segment_bytes)
+
+    def _get_spans(self, n: int) -> Iterator[tuple[int, int]]:
+        """A GET's requests, sized by the last GET's largest chunk; with none seen yet on shared
+        memory, the first key alone first (its reply sets the size; spans are made lazily)."""
+        first = 1 if n > 1 and self._segment_bytes and not self._chunk_hint else 0
+        if first:
+            yield 0, 1
+        for a, b in self._spans([self._chunk_hint] * (n - first)):
+            yield first + a, first + b
+
+    def _saw(self, lengths: Sequence[int | Miss]) -> None:
+        hint = max((n for n in lengths if isinstance(n, int)), default=0)
+        if hint:
+            self._chunk_hint = hint
+
     def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
         out: list[bytes | Miss] = []
-        for base in range(0, len(keys), self.limits.max_batch_keys):
-            batch = keys[base : base + self.limits.max_batch_keys]
+        for a, b in self._get_spans(len(keys)):
+            batch = keys[a:b]
             results = self._retry(self._get, batch, None, deadline)
+            self._saw([len(r) for r in results if isinstance(r, bytes)])
             for key, r in zip(batch, results):
                 if isinstance(r, str):
                     out.append(Miss(r))
@@ -178,10 +200,11 @@ class SocketDataPath:
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: float) -> list[int | Miss]:
         out: list[int | Miss] = []
-        step = self.limits.max_batch_keys
-        for base in range(0, len(keys), step):
-            batch, views = keys[base : base + step], outs[base : base + step]
-            for key, view, r in zip(batch, views, self._retry(self._get, batch, views, deadline)):
+        for a, b in self._spans([min(v.nbytes, self._chunk_hint or v.nbytes) for v in outs]):
+            batch, views = keys[a:b], outs[a:b]
+            results = self._retry(self._get, batch, views, deadline)
+            self._saw([r for r in results if isinstance(r, int)])
+            for key, view, r in zip(batch, views, results):
                 if isinstance(r, str):
                     out.append(Miss(r))
                 else:
@@ -198,9 +221,8 @@ class SocketDataPath:
         chunk's length, or the miss. A retry on a fresh connection (a stale pooled one) may
         visit an index again with the same chunk."""
         out: list[int | Miss] = []
-        step = self.limits.max_batch_keys
-        for base in range(0, len(keys), step):
-            batch = keys[base : base + step]
+        for base, end in self._get_spans(len(keys)):
+            batch = keys[base:end]
             bad: dict[int, Miss] = {}
 
             def checked(i: int, view: memoryview, base: int = base, batch: Sequence[bytes] = batch,
@@ -212,6 +234,7 @@ class SocketDataPath:
                     visit(base + i, view)
 
             results = self._retry(self._get, batch, None, deadline, checked)
+            self._saw([r for r in results if isinstance(r, int)])
             for i, r in enumerate(results):
                 if isinstance(r, str):
                     out.append(Miss(r))
@@ -257,7 +280,7 @@ class SocketDataPath:
         finally:
             self._checkin(conn, ok)
         if error is not None:
-            raise _refused(error, f"data path {self.host}:{self.port} GET")
+            raise refused(error, f"data path {self.host}:{self.port} GET")
         if overflow and targets is not None:  # the reply was drained: the connection is fine
             i, n = next(iter(overflow.items()))
             raise ValueError(f"buffer of {targets[i].nbytes} bytes is too small for a {n}-byte chunk")
@@ -293,7 +316,7 @@ class SocketDataPath:
             frame = conn.read(deadline)
             ok = frame.type != FRAME_ERROR  # a refused LOOKUP is a protocol error: the server hangs up
             if not ok:
-                raise _refused((frame.header.count, parse_text(frame)), f"data path {self.host}:{self.port} LOOKUP")
+                raise refused((frame.header.count, parse_text(frame)), f"data path {self.host}:{self.port} LOOKUP")
             return parse_lookup_reply(frame, len(keys))
         except (OSError, ProtocolError, ssl.SSLError) as exc:
             ok = False
@@ -302,14 +325,15 @@ class SocketDataPath:
             self._checkin(conn, ok)
 
     def put(self, entries: Sequence[Entry | FilledEntry], deadline: float) -> list[bool]:
-        """Store ``entries``, ``max_batch_keys`` per request. A :class:`FilledEntry`'s chunk is
+        """Store ``entries``, ``max_batch_keys`` per request (on shared memory, as many as its
+        segment holds). A :class:`FilledEntry`'s chunk is
         written by its ``fill``: on shared memory straight into the segment, its reference sent
         at once (the server verifies and stores chunk i while chunk i+1 is filled); otherwise
         filled into fresh memory and sent inline."""
         out: list[bool] = []
-        step = self.limits.max_batch_keys
-        for base in range(0, len(entries), step):
-            out += self._retry(self._put, entries[base : base + step], deadline)
+        sizes = [e.length if isinstance(e, FilledEntry) else memoryview(e.data).nbytes for e in entries]
+        for a, b in self._spans(sizes):
+            out += self._retry(self._put, entries[a:b], deadline)
         return out
 
     def _put(self, entries: Sequence[Entry | FilledEntry], deadline: float) -> list[bool]:
@@ -329,7 +353,7 @@ class SocketDataPath:
             frame = conn.read(deadline)
             ok = True
             if frame.type == FRAME_ERROR:
-                raise _refused((frame.header.count, parse_text(frame)), f"data path {self.host}:{self.port} PUT")
+                raise refused((frame.header.count, parse_text(frame)), f"data path {self.host}:{self.port} PUT")
             return parse_put_reply(frame, len(entries))
         except (OSError, ProtocolError, ssl.SSLError) as exc:
             ok = False
@@ -352,7 +376,7 @@ class SocketDataPath:
                 else:
                     copy_into(room, memoryview(e.data).cast("B"))  # the GIL released meanwhile
                 send_all(conn.sock, encode_put_ref(e.key, offset, n, e.depth, e.parent, i < last))
-                offset += (n + 63) & ~63
+                offset += placed_bytes(n)
             else:
                 data = e.materialize().data if isinstance(e, FilledEntry) else e.data
                 send_all(conn.sock, encode_put(e.key, memoryview(data).cast("B"), e.depth, e.parent, i < last))
@@ -375,20 +399,8 @@ class _Stale(Exception):
 
 def _failure(reused: bool, exc: BaseException, what: str) -> Exception:
     """What a request's I/O failure means: a reused idle connection the peer had closed is
-    stale (retried once on a fresh one); anything else is :func:`_io_error`."""
+    stale (retried once on a fresh one); anything else is :func:`~kvtier.tiers.remote.errors.io_error`."""
     if reused and isinstance(exc, ConnectionError):
         return _Stale()
-    return _io_error(exc, what)
+    return io_error(exc, what)
 
-
-def _io_error(exc: BaseException, what: str) -> NodeError:
-    if isinstance(exc, (TimeoutError, BlockingIOError)):
-        return NodeError(TIMEOUT, f"{what}: timed out", down=True)
-    if isinstance(exc, ProtocolError):
-        return NodeError(ERROR, f"{what}: protocol error: {exc}", down=False)
-    return NodeError(NODE_DOWN, f"{what}: {exc}", down=False)
-
-
-def _refused(error: tuple[int, str], what: str) -> NodeError:
-    code = _REQUEST_CODES.get(error[0], "UNKNOWN")
-    return NodeError(ERROR, f"{what}: {code}: {error[1]}", down=code not in REFUSALS, code=code)

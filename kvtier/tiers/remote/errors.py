@@ -12,7 +12,8 @@ import grpc
 
 from kvtier.chunk import decode_header
 from kvtier.errors import ChunkError
-from kvtier.tiers.base import CORRUPT, Miss
+from kvtier.protocol.frames import ProtocolError
+from kvtier.tiers.base import CORRUPT, ERROR, NODE_DOWN, TIMEOUT, Miss
 
 B = TypeVar("B", bytes, memoryview)
 
@@ -21,6 +22,7 @@ REQUEST_ERRORS = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE})
 REFUSALS = frozenset(c.name for c in REQUEST_ERRORS)
+REQUEST_CODES = {c.value[0]: c.name for c in grpc.StatusCode}  # a data-path ERROR frame's code
 
 
 class NodeError(Exception):
@@ -43,3 +45,20 @@ def check_chunk(key: bytes, chunk: B) -> B | Miss:
     except ChunkError:
         return Miss(CORRUPT)
     return chunk if header.key == key and header.nbytes == len(chunk) else Miss(CORRUPT)
+
+
+def io_error(exc: BaseException, what: str) -> NodeError:
+    """A data-path request's I/O failure: a timeout marks the node down; a protocol error or a
+    dropped connection fails the request only."""
+    if isinstance(exc, (TimeoutError, BlockingIOError)):
+        return NodeError(TIMEOUT, f"{what}: timed out", down=True)
+    if isinstance(exc, ProtocolError):
+        return NodeError(ERROR, f"{what}: protocol error: {exc}", down=False)
+    return NodeError(NODE_DOWN, f"{what}: {exc}", down=False)
+
+
+def refused(error: tuple[int, str], what: str) -> NodeError:
+    """A data-path ERROR frame ``(code, message)``: a refusal of the request, or a node failure
+    for codes outside :data:`REFUSALS`."""
+    code = REQUEST_CODES.get(error[0], "UNKNOWN")
+    return NodeError(ERROR, f"{what}: {code}: {error[1]}", down=code not in REFUSALS, code=code)
