@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -189,26 +190,42 @@ def test_failed_chunk_reports_exact_blocks_and_is_saved_again(tmp_path: Path) ->
         sched.shutdown()
 
 
-def test_an_async_restore_that_fails_unexpectedly_is_recomputed_not_raised(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fails", ["before_the_step_asks", "after_it"])
+def test_an_async_restore_that_fails_unexpectedly_is_recomputed_not_raised(tmp_path: Path, fails: str) -> None:
     """A bug in an async restore (here the fetch raises KeyError) must not come out of
     get_finished into vLLM's step: the request finishes receiving with its blocks reported
-    as errors, so vLLM recomputes them."""
+    as errors, so vLLM recomputes them. Both orders are forced: the restore already over when
+    the step asks for finished loads (it is reported by that step), or failing later."""
     sched, worker, caches = _halves(tmp_path, async_load="always")
+    release = threading.Event()
     try:
         _save_r1(sched, worker, caches)
         hit, is_async = _hit_r2(sched)
         assert hit == 2 * C and is_async
 
         def buggy_fetch(spec: Any) -> Any:
+            if fails == "after_it":
+                release.wait(10)
             raise KeyError("a bug in a restore")
 
+        def until_the_restore_is_over(name: str, t: torch.Tensor) -> None:
+            end = time.monotonic() + 10
+            while fails == "before_the_step_asks" and not all(f.done() for f in worker._async.values()) \
+                    and time.monotonic() < end:
+                time.sleep(0.001)
+
         worker._fetch = buggy_fetch
-        _run_step(sched, worker, _output([], {}), caches)
-        end, done = time.monotonic() + 10, set()
+        _, errors, out = _run_step(sched, worker, _output([], {}), caches, write=until_the_restore_is_over)
+        done = set(out.finished_recving)
+        assert ("r2" in done) == (fails == "before_the_step_asks")
+        release.set()
+        end = time.monotonic() + 10
         while "r2" not in done and time.monotonic() < end:
             time.sleep(0.01)
             done |= worker.finished(set())
-        assert "r2" in done and worker.take_errors() == set(BLOCKS2[:4])
+            errors |= worker.take_errors()
+        assert "r2" in done and errors == set(BLOCKS2[:4])
     finally:
+        release.set()
         worker.shutdown()
         sched.shutdown()
