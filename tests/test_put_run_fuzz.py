@@ -18,18 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.protocol.frames import GET, MORE, PARENT, PUT, SHM, encode_hello, encode_put
 from kvtier.protocol.wire import encode_header
 from kvtier.server import put_run
-from kvtier.server.auth import Authenticator
-from kvtier.server.dataplane import DataPlane
-from kvtier.server.metrics import ServerMetrics
-from kvtier.server.requests import Limits
-from kvtier.server.storage import Storage
 from tests.kvtier_servers import make_chunk, make_keys
+from tests.put_run_plane import SLOT, holdings, plane, send_to_end
 
-SLOT = 64 << 10
 KINDS = ("ok", "ok", "ok", "parent", "corrupt", "other_key", "too_big", "empty", "no_payload", "short", "shm",
          "get", "magic")
 
@@ -63,35 +57,10 @@ def _frame(kind: str, i: int, key: bytes, more: bool) -> bytes:
 def _converse(stream: bytes, with_loop: bool) -> tuple[bytes | None, dict[bytes, bytes], list[str]]:
     """What a fresh server answers to ``stream`` (None: the connection was reset) and holds
     afterwards."""
-    saved = put_run._PUTLOOP
-    if not with_loop:
-        put_run._PUTLOOP = None
-    auth = Authenticator.from_file("")
-    storage = Storage(auth.tenants.values(), CpuTierConfig(capacity_bytes=24 * SLOT, slot_bytes=SLOT),
-                      DiskTierConfig(enabled=False))
-    plane = DataPlane(storage, auth, Limits(max_batch_keys=64, max_chunk_bytes=1 << 20),
-                      ServerMetrics(storage), None, 4)
-    port = plane.start("127.0.0.1", 0)
-    try:
+    with plane(with_loop) as (port, storage):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            answer: bytearray | None = bytearray()
-            try:
-                sock.sendall(b"".join(bytes(p) for p in encode_hello("")) + stream)
-                sock.shutdown(socket.SHUT_WR)  # the server sees the end of the stream
-                while chunk := sock.recv(1 << 16):
-                    answer += chunk
-            except OSError:  # closed on a protocol error with our bytes unread (reset): the
-                answer = None  # kernel may drop what it had sent back (either path alike)
-    finally:
-        plane.stop_accepting()
-        plane.join(10)
-        put_run._PUTLOOP = saved
-    store = next(iter(storage.stores.values()))
-    ram = store.ram
-    assert ram is not None
-    keys = sorted(ram._map)  # every key the tier holds
-    held = dict(zip(keys, (bytes(c) for c in ram.get(keys))))  # type: ignore[arg-type]
-    return None if answer is None else bytes(answer), held, ram.check()
+            answer = send_to_end(sock, b"".join(bytes(p) for p in encode_hello("")) + stream)
+    return (answer, *holdings(storage))
 
 
 @pytest.mark.skipif(not put_run.available(), reason="kvtier._putloop not built here (optional accelerator)")

@@ -21,7 +21,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.protocol.frames import (
     ERROR,
     MORE,
@@ -41,15 +40,10 @@ from kvtier.protocol.socket_io import read_frame, send_all
 from kvtier.protocol.wire import encode_header
 from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
-from kvtier.server.auth import Authenticator
-from kvtier.server.dataplane import DataPlane
-from kvtier.server.metrics import ServerMetrics
-from kvtier.server.requests import Limits
-from kvtier.server.storage import Storage
 from tests.hostile_client import LIMITS, fetch_fd
 from tests.kvtier_servers import make_chunk, make_keys
+from tests.put_run_plane import SLOT, holdings, plane, send_to_end
 
-SLOT = 64 << 10
 SEGMENT = 4 << 20
 STRIDE = 128 << 10  # item i's chunk lies at i * STRIDE in the segment
 KINDS = ("ref", "ref", "ref", "ref_parent", "inline", "ref_corrupt", "ref_past_end", "ref_wraps", "ref_empty",
@@ -81,16 +75,7 @@ def _item(kind: str, i: int, key: bytes, more: bool, seg: mmap.mmap) -> bytes:
 def _converse(kinds: list[str], cut: int | None, with_loop: bool) -> tuple[bytes | None, dict[bytes, bytes], list[str]]:
     """What a fresh server answers to the batch (after the handshake; None: the connection was
     reset) and holds afterwards."""
-    saved = put_run._PUTLOOP
-    if not with_loop:
-        put_run._PUTLOOP = None
-    auth = Authenticator.from_file("")
-    storage = Storage(auth.tenants.values(), CpuTierConfig(capacity_bytes=24 * SLOT, slot_bytes=SLOT),
-                      DiskTierConfig(enabled=False))
-    plane = DataPlane(storage, auth, Limits(max_batch_keys=64, max_chunk_bytes=1 << 20),
-                      ServerMetrics(storage), None, 4, shm_bytes=SEGMENT)
-    port = plane.start("127.0.0.1", 0)
-    try:
+    with plane(with_loop, shm_bytes=SEGMENT) as (port, storage):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             reader = FrameReader(LIMITS)
             send_all(sock, encode_hello(""))
@@ -108,26 +93,9 @@ def _converse(kinds: list[str], cut: int | None, with_loop: bool) -> tuple[bytes
             send_all(sock, encode_shm_mapped(True))
             keys = make_keys(len(kinds), seed=len(kinds))
             stream = b"".join(_item(k, i, keys[i], i < len(kinds) - 1, seg) for i, k in enumerate(kinds))
-            if cut is not None:
-                stream = stream[: cut % (len(stream) + 1)]
-            answer: bytearray | None = bytearray()
-            try:
-                sock.sendall(stream)
-                sock.shutdown(socket.SHUT_WR)  # the server sees the end of the stream
-                while chunk := sock.recv(1 << 16):
-                    answer += chunk
-            except OSError:  # reset on a protocol error with our bytes unread (either path alike)
-                answer = None
+            answer = send_to_end(sock, stream if cut is None else stream[: cut % (len(stream) + 1)])
             seg.close()
-    finally:
-        plane.stop_accepting()
-        plane.join(10)
-        put_run._PUTLOOP = saved
-    ram = next(iter(storage.stores.values())).ram
-    assert ram is not None
-    held_keys = sorted(ram._map)
-    held = dict(zip(held_keys, (bytes(c) for c in ram.get(held_keys))))  # type: ignore[arg-type]
-    return None if answer is None else bytes(answer), held, ram.check()
+    return (answer, *holdings(storage))
 
 
 needs_both = pytest.mark.skipif(not (put_run.available() and shm_segment.AVAILABLE),
