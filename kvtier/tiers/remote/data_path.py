@@ -31,7 +31,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtier.memcopy import copy_into
@@ -56,7 +56,7 @@ from kvtier.protocol.frames import (
 from kvtier.protocol.socket_io import send_all
 from kvtier.protocol.wire import placed_bytes
 from kvtier.tiers.base import ABSENT, ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe
-from kvtier.tiers.remote.batching import request_spans
+from kvtier.tiers.remote.batching import RequestCutter
 from kvtier.tiers.remote.data_conn import DataConn, Visit
 from kvtier.tiers.remote.errors import REQUEST_CODES, NodeError, check_chunk, io_error, refused
 from kvtier.tiers.remote.heap import retain_freed_blocks
@@ -76,8 +76,7 @@ class SocketDataPath:
         self.server_hostname = server_hostname
         self.limits = limits
         self.shm = shm  # still wanted: cleared when a segment cannot be mapped
-        self._segment_bytes = 0  # a mapped segment's size: requests are cut to fit it
-        self._chunk_hint = 0  # the largest chunk of the last GET: how many keys a GET fits
+        self._cut = RequestCutter(limits.max_batch_keys)  # requests cut to fit the segment
         self._idle: list[DataConn] = []
         self._slots = threading.BoundedSemaphore(connections)
         self._lock = threading.Lock()
@@ -112,7 +111,7 @@ class SocketDataPath:
             if self.shm and not conn.open_shm(deadline):
                 self.shm = False
             if conn.shm is not None:
-                self._segment_bytes = conn.shm.nbytes
+                self._cut.segment_bytes = conn.shm.nbytes
             return conn
         except NodeError:
             sock.close()
@@ -166,30 +165,12 @@ class SocketDataPath:
         self._slots.release()
 
     # --- verbs ------------------------------------------------------------------------------------
-    def _spans(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
-        """The requests a verb cuts its keys into (kvtier.tiers.remote.batching)."""
-        return request_spans(sizes, self.limits.max_batch_keys, self._segment_bytes)
-
-    def _get_spans(self, n: int) -> Iterator[tuple[int, int]]:
-        """A GET's requests, sized by the last GET's largest chunk; with none seen yet on shared
-        memory, the first key alone first (its reply sets the size; spans are made lazily)."""
-        first = 1 if n > 1 and self._segment_bytes and not self._chunk_hint else 0
-        if first:
-            yield 0, 1
-        for a, b in self._spans([self._chunk_hint] * (n - first)):
-            yield first + a, first + b
-
-    def _saw(self, lengths: Sequence[int | Miss]) -> None:
-        hint = max((n for n in lengths if isinstance(n, int)), default=0)
-        if hint:
-            self._chunk_hint = hint
-
     def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
         out: list[bytes | Miss] = []
-        for a, b in self._get_spans(len(keys)):
+        for a, b in self._cut.get_spans(len(keys)):
             batch = keys[a:b]
             results = self._retry(self._get, batch, None, deadline)
-            self._saw([len(r) for r in results if isinstance(r, bytes)])
+            self._cut.saw([len(r) for r in results if isinstance(r, bytes)])
             for key, r in zip(batch, results):
                 if isinstance(r, str):
                     out.append(Miss(r))
@@ -200,10 +181,10 @@ class SocketDataPath:
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: float) -> list[int | Miss]:
         out: list[int | Miss] = []
-        for a, b in self._spans([min(v.nbytes, self._chunk_hint or v.nbytes) for v in outs]):
+        for a, b in self._cut.get_into_spans(outs):
             batch, views = keys[a:b], outs[a:b]
             results = self._retry(self._get, batch, views, deadline)
-            self._saw([r for r in results if isinstance(r, int)])
+            self._cut.saw(results)
             for key, view, r in zip(batch, views, results):
                 if isinstance(r, str):
                     out.append(Miss(r))
@@ -221,7 +202,7 @@ class SocketDataPath:
         chunk's length, or the miss. A retry on a fresh connection (a stale pooled one) may
         visit an index again with the same chunk."""
         out: list[int | Miss] = []
-        for base, end in self._get_spans(len(keys)):
+        for base, end in self._cut.get_spans(len(keys)):
             batch = keys[base:end]
             bad: dict[int, Miss] = {}
 
@@ -234,7 +215,7 @@ class SocketDataPath:
                     visit(base + i, view)
 
             results = self._retry(self._get, batch, None, deadline, checked)
-            self._saw([r for r in results if isinstance(r, int)])
+            self._cut.saw(results)
             for i, r in enumerate(results):
                 if isinstance(r, str):
                     out.append(Miss(r))
@@ -332,7 +313,7 @@ class SocketDataPath:
         filled into fresh memory and sent inline."""
         out: list[bool] = []
         sizes = [e.length if isinstance(e, FilledEntry) else memoryview(e.data).nbytes for e in entries]
-        for a, b in self._spans(sizes):
+        for a, b in self._cut.put_spans(sizes):
             out += self._retry(self._put, entries[a:b], deadline)
         return out
 
