@@ -59,13 +59,12 @@ class SharedPool:
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit in the budget without evicting anything."""
-        with self._lock:
-            return self.used() + nbytes <= self.capacity_bytes
+        return nbytes <= self.room()
 
     def room(self) -> int:
-        """Bytes that fit in the budget without evicting anything (0 when it is over)."""
+        """Bytes that fit in the budget without evicting anything (negative when it is over)."""
         with self._lock:
-            return max(0, self.capacity_bytes - self.used())
+            return self.capacity_bytes - self.used()
 
     def make_room(self, tenant: str, nbytes: int) -> None:
         """Evict until ``nbytes`` more fit in the budget, or no tenant above its share is left."""

@@ -215,7 +215,7 @@ class TenantStore:
         if ram is None:
             return []
         if self.ram_pool is not None:
-            most = min(most, self.ram_pool.room() // max(1, nbytes))
+            most = min(most, max(0, self.ram_pool.room()) // max(1, nbytes))
         out: list[Reservation] = []
         while len(out) < most:
             res = ram.reserve(nbytes)
