@@ -21,6 +21,7 @@ from kvtier_vllm.metrics import ConnectorMetrics
 
 from kvtier.config import CpuTierConfig, DiskTierConfig, GrpcTierConfig
 from kvtier.metrics import Metrics
+from kvtier.protocol.addresses import parse_hostport
 from kvtier.server import dashboard
 from kvtier.server.auth import Tenant
 from kvtier.server.dashboard import PeerReply, cluster_document, node_summary
@@ -118,11 +119,14 @@ def test_parse_http_reply_refuses_what_is_not_stats(raw: bytes, error: str) -> N
         dashboard.parse_http_reply(raw)
 
 
-def test_split_hostport() -> None:
-    assert dashboard.split_hostport("10.0.0.1:50052") == ("10.0.0.1", 50052)
-    assert dashboard.split_hostport("[::1]:7") == ("::1", 7)
-    with pytest.raises(ValueError):
-        dashboard.split_hostport("nohost")
+def test_parse_hostport() -> None:
+    """The one host:port parser (the dashboard's peers, kvtier top, the server's peers setting,
+    dns discovery, kvtier demo --server)."""
+    assert parse_hostport("10.0.0.1:50052") == ("10.0.0.1", 50052)
+    assert parse_hostport("[::1]:7") == ("::1", 7)
+    for bad in ("nohost", ":80", "h:", "h:x", "h:0", "h:65536"):
+        with pytest.raises(ValueError, match="is not host:port"):
+            parse_hostport(bad)
 
 
 # --- the peer fetch against real sockets ----------------------------------------------------------

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from kvtier.protocol.addresses import parse_hostport
 from kvtier.server import usage_view
 
 log = logging.getLogger(__name__)
@@ -47,14 +48,6 @@ class PeerReply:
 
 
 # --- I/O half --------------------------------------------------------------------------------
-
-def split_hostport(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError when it is neither."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not host:port")
-    return host.strip("[]"), int(port)
-
 
 def parse_http_reply(raw: bytes, stats: bool = True) -> dict[str, Any]:
     """The JSON object of a complete ``HTTP/1.x 200`` reply (a /api/stats document unless
@@ -101,7 +94,7 @@ async def get_json(address: str, path: str) -> dict[str, Any]:
 
 
 async def _get(address: str, path: str, stats: bool = True) -> dict[str, Any]:
-    host, port = split_hostport(address)
+    host, port = parse_hostport(address)
     reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(f"GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode())

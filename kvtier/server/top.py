@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.protocol.addresses import parse_hostport
 from kvtier.server import dashboard
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ Table = tuple[str, list[str], list[list[str]]]  # title, headers, rows
 
 def _server(text: str) -> str:
     try:
-        dashboard.split_hostport(text)
+        parse_hostport(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (e.g. 127.0.0.1:50052)") from None
     return text
@@ -64,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def fetch(servers: Sequence[str], timeout: float) -> dict[str, Any] | None:
     """The cluster document, or None when no server answered."""
     for s in servers:
-        dashboard.split_hostport(s)  # ValueError names a bad --server
+        parse_hostport(s)  # ValueError names a bad --server
     return asyncio.run(_fetch(servers, timeout))
 
 
