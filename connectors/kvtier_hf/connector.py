@@ -46,6 +46,7 @@ from kvtier_hf.compat import (
     text_config,
 )
 from kvtier_hf.kv import kv_payload
+from kvtier_hf.kvpool import KVPool
 from kvtier_hf.restore import restore, staging_for
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ class KVTierHF:
             raise ValueError("kvtier_hf supports full-attention models; this one has sliding-window layers")
         # The restore's read buffers, allocated and pre-faulted once for this connector's life.
         self._staging = staging_for(self.prefix_cache)
+        self._kv_pool = KVPool()
 
     @property
     def device(self) -> torch.device:
@@ -219,7 +221,7 @@ class KVTierHF:
                                   time.perf_counter() - t0)
         use = min(hit.tokens, len(ids) - 1)
         got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config, self.device,
-                      self._staging)
+                      self._staging, self._kv_pool)
         reason = got.reason if got.tokens < use else hit.reason
         log.debug("restored %d/%d prompt tokens (%s)", got.tokens, len(ids), got.per_tier)
         seconds = time.perf_counter() - t0

@@ -32,6 +32,10 @@ verification and promotion overlap the next chunk's read (the disk here streams 
 come from :func:`~kvtier_hf.kv.fresh_kv`, which faults in transparent huge pages where the
 kernel offers them: `kvtier demo`'s restore went from 1.18-1.40 to 1.46-1.70 GB/s with it
 (3 runs each, 2026-12-05), its first restore from 0.60-0.64x to 0.81-0.87x the disk's read.
+A connector passes its :class:`~kvtier_hf.kvpool.KVPool`, so that after its first restore
+the K/V tensors come from memory an earlier restore used and transformers let go of: on a VM
+fresh memory is also faulted in by the host, and the copy into it took 3-6x as long, run to
+run (see kvtier_hf/kvpool.py).
 
 The copy uses numpy, which releases the GIL while it copies: K on the calling thread, V on
 one copier thread. torch's parallel copy fights the reader threads for the cores and, on a busy
@@ -60,12 +64,13 @@ from kvtier.keys import chunk_spans
 from kvtier.tiers.base import ABSENT
 from kvtier_hf.compat import new_cache, set_layer_kv
 from kvtier_hf.kv import fresh_kv
+from kvtier_hf.kvpool import KVPool
 from kvtier_hf.staging import StagingRing
 
 BATCH_BYTES = 4 << 20  # chunks per read batch, by bytes: big enough to stream, small to overlap
-STAGING_BYTES = 16 << 20  # a connector's staging ring, by bytes (within MIN_SETS..MAX_SETS sets)
-MIN_SETS, MAX_SETS = 3, 8  # >= reads in flight + the batch being copied; more reads ahead buy nothing
-READS_IN_FLIGHT = 2  # reader threads: one verifies and promotes while the other reads
+STAGING_BYTES = 20 << 20  # a connector's staging ring, by bytes (within MIN_SETS..MAX_SETS sets)
+READS_IN_FLIGHT = 4  # reader threads: the disk's depth (as read_limit.READ_DEPTH), and verification overlaps reads
+MIN_SETS, MAX_SETS = READS_IN_FLIGHT + 1, 8  # reads in flight + the batch being copied; more buy nothing
 # Copy bits, not values (numpy has no bfloat16): an integer view of the element size.
 _BITS: dict[int, tuple[Any, torch.dtype]] = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16),
                                              4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
@@ -98,11 +103,12 @@ def staging_for(prefix_cache: PrefixCache) -> StagingRing:
 
 def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tokens: int,
             dtype: torch.dtype, config: Any = None, device: torch.device | str = "cpu",
-            staging: StagingRing | None = None) -> Restored:
+            staging: StagingRing | None = None, kv_pool: KVPool | None = None) -> Restored:
     """Load up to ``use_tokens`` tokens of the ``hit_tokens``-token cached prefix of ``ids``
     into a new cache (fewer when a chunk is missing or refused). ``staging``: the caller's
     ring (see :func:`staging_for`; its buffers must fit one chunk of ``prefix_cache``), else
-    one is built for this call."""
+    one is built for this call. ``kv_pool``: where the K/V tensors' memory comes from (fresh
+    memory without one)."""
     lay = prefix_cache.spec.layout
     spans = chunk_spans(hit_tokens, lay.chunk_tokens)
     spans = [s for s in spans if s[0] < use_tokens]
@@ -113,7 +119,7 @@ def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tok
     if ring.size < buffer_bytes(prefix_cache):
         raise ValueError(f"staging buffers of {ring.size} bytes cannot hold a chunk of this namespace")
     with ring.lock:
-        return _restore(prefix_cache, keys, spans, use_tokens, dtype, config, device, ring)
+        return _restore(prefix_cache, keys, spans, use_tokens, dtype, config, device, ring, kv_pool)
 
 
 def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -122,11 +128,13 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 def _restore(prefix_cache: PrefixCache, keys: list[bytes], spans: list[tuple[int, int]], use_tokens: int,
-             dtype: torch.dtype, config: Any, device: torch.device | str, ring: StagingRing) -> Restored:
+             dtype: torch.dtype, config: Any, device: torch.device | str, ring: StagingRing,
+             kv_pool: KVPool | None) -> Restored:
     lay = prefix_cache.spec.layout
     batch = ring.batch
     shape = (lay.num_layers, 1, lay.num_kv_heads, use_tokens, lay.head_dim)
-    k_out, v_out = fresh_kv(shape, dtype), fresh_kv(shape, dtype)
+    alloc = fresh_kv if kv_pool is None else kv_pool.tensor
+    k_out, v_out = alloc(shape, dtype), alloc(shape, dtype)
     bits, as_bits = _BITS[k_out.element_size()]
     k_np, v_np = k_out.view(as_bits).numpy(), v_out.view(as_bits).numpy()
 
