@@ -69,6 +69,21 @@ def test_the_pool_keeps_at_most_keep_slabs() -> None:
         KVPool(keep=-1)
 
 
+def test_a_slab_given_back_under_the_pool_lock_is_dropped_not_waited_for() -> None:
+    """A tensor can die inside a garbage collection while the pool's lock is held (by
+    ``tensor`` on the same thread): giving its slab back must not wait for the lock."""
+    pool = KVPool()
+    t = pool.tensor(SHAPE, torch.uint8)
+    with pool._lock:  # as when a collection runs inside _take
+        del t
+        gc.collect()  # would deadlock if the finalizer waited
+    assert pool.free_slabs == 0
+    u = pool.tensor(SHAPE, torch.uint8)
+    del u
+    gc.collect()
+    assert pool.free_slabs == 1
+
+
 @pytest.mark.parametrize("first, then, reused", [
     (1000, 1000, True), (1000, 600, True), (1000, 499, False), (1000, 1001, False), (0, 0, True)])
 def test_a_slab_serves_half_its_size_up_to_its_size(first: int, then: int, reused: bool) -> None:

@@ -20,7 +20,8 @@ past that the longest-waiting one is dropped, its memory returned to the OS. A s
 at most its size and at least half of it, so a short restore does not pin a long one's memory.
 
 Threads: any thread may take; a slab comes back on whichever thread drops the last reference
-(a lock guards the free list).
+(a lock guards the free list; a slab given back while another thread holds it is dropped,
+never waited for: a finalizer may run inside a garbage collection under that very lock).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class KVPool:
         nbytes = math.prod(shape) * dtype.itemsize
         slab = self._take(nbytes)
         view = slab[:nbytes]  # its own array object: its death gives the slab back
-        weakref.finalize(view, self._give_back, slab)
+        weakref.finalize(view, self._give_back, slab).atexit = False  # nothing to give back at exit
         return torch.from_numpy(view).view(dtype).view(shape)
 
     @property
@@ -69,6 +70,13 @@ class KVPool:
         return np.empty(max(nbytes, 1), dtype=np.uint8)
 
     def _give_back(self, slab: np.ndarray) -> None:
-        with self._lock:
+        # A finalizer runs wherever the last reference dies, which may be a garbage collection
+        # inside _take on this very thread, with the lock held: never wait for it. A slab that
+        # finds the lock taken is dropped (its memory goes back to the OS; only reuse is lost).
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             self._free.append(slab)
             del self._free[: max(0, len(self._free) - self.keep)]
+        finally:
+            self._lock.release()
