@@ -69,6 +69,19 @@ def test_the_pool_keeps_at_most_keep_slabs() -> None:
         KVPool(keep=-1)
 
 
+def test_the_pool_holds_at_most_keep_bytes_of_idle_memory() -> None:
+    nbytes = 128_000  # one SHAPE tensor of uint8
+    pool = KVPool(keep=8, keep_bytes=2 * nbytes + 1)
+    taken = [pool.tensor(SHAPE, torch.uint8) for _ in range(4)]
+    del taken
+    gc.collect()
+    assert pool.free_slabs == 2
+    big = pool.tensor((3 * nbytes,), torch.uint8)  # larger than the whole bound: never kept
+    del big
+    gc.collect()
+    assert pool.free_slabs == 0  # the oldest went first, then the big one itself
+
+
 def test_a_slab_given_back_under_the_pool_lock_is_dropped_not_waited_for() -> None:
     """A tensor can die inside a garbage collection while the pool's lock is held (by
     ``tensor`` on the same thread): giving its slab back must not wait for the lock."""

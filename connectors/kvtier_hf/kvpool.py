@@ -15,8 +15,11 @@ so a slab is never written while any tensor or view of it is alive. Slabs are ``
 arrays, which numpy advises as transparent huge pages from 4 MiB up (see
 :func:`kvtier_hf.kv.fresh_kv`).
 
-Bound: at most :attr:`KVPool.keep` slabs wait in the pool (a restore takes two, K and V);
-past that the longest-waiting one is dropped, its memory returned to the OS. A slab serves a request of
+Bound: at most :attr:`KVPool.keep` slabs and :attr:`KVPool.keep_bytes` bytes wait in the pool
+(a restore takes two slabs, K and V); past either the longest-waiting ones are dropped, their
+memory returned to the OS. So a connector never holds more than ``keep_bytes`` of idle host
+memory (1 GiB by default: the demo's restores are ~25 MB a tensor; a restore far larger than
+that is served fresh memory each time, as before the pool). A slab serves a request of
 at most its size and at least half of it, so a short restore does not pin a long one's memory.
 
 Threads: any thread may take; a slab comes back on whichever thread drops the last reference
@@ -34,15 +37,16 @@ import numpy as np
 import torch
 
 KEEP_SLABS = 4  # two restores' K and V
+KEEP_BYTES = 1 << 30  # idle memory a pool may hold
 
 
 class KVPool:
     """Recycled K/V memory (see the module docstring)."""
 
-    def __init__(self, keep: int = KEEP_SLABS) -> None:
-        if keep < 0:
-            raise ValueError(f"keep must be >= 0, got {keep}")
-        self.keep = keep
+    def __init__(self, keep: int = KEEP_SLABS, keep_bytes: int = KEEP_BYTES) -> None:
+        if keep < 0 or keep_bytes < 0:
+            raise ValueError(f"keep and keep_bytes must be >= 0, got {keep} and {keep_bytes}")
+        self.keep, self.keep_bytes = keep, keep_bytes
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0  # tensors served from a recycled slab (for tests and stats)
@@ -77,6 +81,8 @@ class KVPool:
             return
         try:
             self._free.append(slab)
-            del self._free[: max(0, len(self._free) - self.keep)]
+            held = sum(s.nbytes for s in self._free)
+            while self._free and (len(self._free) > self.keep or held > self.keep_bytes):
+                held -= self._free.pop(0).nbytes
         finally:
             self._lock.release()
