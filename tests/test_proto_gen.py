@@ -46,3 +46,14 @@ def test_generated_files_match_byte_for_byte(tmp_path: Path) -> None:
     gen.generate(tmp_path)
     assert gen.differences(tmp_path, gen.GEN) == [], "run python scripts/gen_proto.py"
     assert gen.main(["--check"]) == 0
+
+
+def test_the_test_extra_pins_the_generator_the_committed_code_was_made_with() -> None:
+    """So that CI installs that version and the byte-for-byte test above runs, not skips."""
+    import tomllib
+
+    from kvtier.protocol import gen as committed
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = [req for req in extras["test"] if req.startswith("grpcio-tools")]
+    assert pins == [f"grpcio-tools=={committed.GENERATED_WITH.split()[-1]}"], pins
