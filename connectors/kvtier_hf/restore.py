@@ -26,9 +26,11 @@ only ``READS_IN_FLIGHT`` batches were ever submitted ahead and the main thread f
 whole output in before taking the first batch, so the disk sat idle for that long (26 ms of an
 81 ms restore of 51 MB); now the reads keep going whatever the copy does, and each copy
 faults in only the pages it writes (measured: a restore in a fresh process at 0.97-1.08 GB/s
-against 0.68-0.98 GB/s with the up-front pass kept, the disk reading ~1 GB/s). Two reader threads, not one, so that one chunk's
-verification and promotion overlap the next chunk's read (the disk here streams the same
-~0.9 GB/s at depth 1 to 4; a single thread left it idle ~20% of the time). The KV tensors
+against 0.68-0.98 GB/s with the up-front pass kept, the disk reading ~1 GB/s). Several reader
+threads, not one, so that one chunk's verification overlaps the next chunk's read (a single
+thread left a ~0.9 GB/s disk idle ~20% of the time); four, the read limit's own depth, since
+a faster disk (1.7-2.2 GB/s, 2026-12-06) streams more with more reads queued: restore pairs
+at 1.6-2.0 GB/s with four against 1.3-1.5 with two. The KV tensors
 come from :func:`~kvtier_hf.kv.fresh_kv`, which faults in transparent huge pages where the
 kernel offers them: `kvtier demo`'s restore went from 1.18-1.40 to 1.46-1.70 GB/s with it
 (3 runs each, 2026-12-05), its first restore from 0.60-0.64x to 0.81-0.87x the disk's read.
