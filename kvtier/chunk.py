@@ -58,6 +58,7 @@ DTYPES: dict[str, tuple[int, int]] = {
     "int8": (7, 1),
 }
 _DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+_ITEMSIZE_BY_CODE = {code: size for code, size in DTYPES.values()}
 _CODEC_BY_ID = {int(c): c for c in Codec}
 
 Shape = tuple[int, int, int, int, int]  # (layers, kv, tokens, heads, head_dim)
@@ -199,6 +200,27 @@ def decode_header(data: Buf) -> ChunkHeader:
         raise ChunkError("layout_mismatch", f"raw length {raw_len} does not match shape {shape} of {dtype}")
     return ChunkHeader(codec, bool(flags & FLAG_SHUFFLE), dtype, shape, namespace, key,
                        raw_len, payload_len, checksum)
+
+
+def header_names(data: Buf, key: bytes) -> bool:
+    """Whether ``data`` is exactly one chunk of ``key`` by its header: every check
+    :func:`decode_header` makes (magic, header checksum, version, codec, dtype, layout), plus
+    the key and a total length equal to ``len(data)``. Not the payload checksum (left to the
+    reader that decodes). The guard a client puts on each chunk a node returns, at a few
+    hundred nanoseconds: no :class:`ChunkHeader` is built (tests/test_chunk.py holds it to
+    ``decode_header``'s verdicts)."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    if view.nbytes < HEADER_SIZE:
+        return False
+    (magic, version, codec_id, _, dcode, kv, _, _, layers, tokens, heads, head_dim,
+     _, named, raw_len, payload_len, _, check) = _HEADER.unpack_from(view)
+    itemsize = _ITEMSIZE_BY_CODE.get(dcode)
+    return (named == key and magic == MAGIC and version == VERSION and HEADER_SIZE + payload_len == view.nbytes
+            and itemsize is not None and codec_id in _CODEC_BY_ID
+            and raw_len == layers * kv * tokens * heads * head_dim * itemsize
+            and xxhash.xxh3_64_intdigest(view[: _HEAD.size]) == check)
 
 
 def decode_chunk(

@@ -13,6 +13,7 @@ from kvtier.chunk import (
     decode_header,
     encode_chunk,
     frame_raw_chunk,
+    header_names,
     page_aligned_buffer,
 )
 from kvtier.codec import Codec, compress, decompress, shuffle, unshuffle
@@ -114,6 +115,51 @@ def test_decoder_fuzz_mutations(flips: list[tuple[int, int]], codec: str) -> Non
     except ChunkError:
         return
     assert bytes(chunk.payload) == _payload()  # if it decodes at all, it decodes to the truth
+
+
+def _names_oracle(data: bytes | bytearray, key: bytes) -> bool:
+    """header_names' contract in terms of decode_header (the reference)."""
+    try:
+        h = decode_header(data)
+    except ChunkError:
+        return False
+    return h.key == key and h.nbytes == len(data)
+
+
+def _reseal(data: bytearray) -> None:
+    """Recompute the header checksum, so that a mutated field reaches the field checks."""
+    import xxhash
+
+    data[HEADER_SIZE - 8 : HEADER_SIZE] = xxhash.xxh3_64_intdigest(bytes(data[: HEADER_SIZE - 8])).to_bytes(8, "little")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, HEADER_SIZE + 8), st.integers(1, 255)), max_size=3),
+       st.booleans(), st.integers(-2, 2), st.sampled_from([KEY, b"j" * 32]))
+def test_header_names_agrees_with_decode_header(flips: list[tuple[int, int]], reseal: bool, cut: int,
+                                                key: bytes) -> None:
+    """The fast guard takes exactly what decode_header takes (resealed mutations reach the
+    magic, version, codec, dtype and layout checks), with the key and exact length."""
+    data = bytearray(_encoded())
+    for pos, mask in flips:
+        data[pos % len(data)] ^= mask
+    if reseal:
+        _reseal(data)
+    data = data[: len(data) + cut] if cut < 0 else data + bytes(cut)
+    assert header_names(data, key) == _names_oracle(data, key)
+    assert header_names(memoryview(data), key) == header_names(bytes(data), key)
+
+
+def test_header_names_refuses_each_field() -> None:
+    good = bytearray(_encoded())
+    assert header_names(good, KEY) and not header_names(good, b"j" * 32)
+    assert not header_names(good[:HEADER_SIZE - 1], KEY) and not header_names(good + b"\0", KEY)
+    for pos in (0, 4, 6, 8, 16, 20, 28):  # magic, version, codec, dtype, layers, tokens, head_dim
+        bad = bytearray(good)
+        bad[pos] ^= 0x40
+        _reseal(bad)
+        assert not header_names(bad, KEY) and not _names_oracle(bad, KEY), pos
+    assert header_names(np.frombuffer(bytes(good), dtype=np.uint8), KEY)
 
 
 def test_header_alone_parses() -> None:
