@@ -25,22 +25,29 @@ _IOV = 512  # buffers per sendmsg call (well under IOV_MAX = 1024)
 
 
 def send_all(sock: socket.socket, parts: Buffers) -> int:
-    total = sum(len(p) for p in parts)
+    """Write ``parts`` in order; returns the bytes written. Plain sockets: one ``sendmsg`` of
+    them all in the usual case (no per-part Python after it); a short write goes on from
+    where the socket stopped."""
+    # bytes as they are (no view made); anything else as a flat byte view: len() counts bytes
+    views = [p if type(p) is bytes else memoryview(p).cast("B") for p in parts]
+    total = sum(map(len, views))
     if isinstance(sock, ssl.SSLSocket):
-        for p in parts:
+        for p in views:
             sock.sendall(p)
         return total
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        n = sock.sendmsg(views[:_IOV])
-        while n:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
+    n = sock.sendmsg(views[:_IOV])
+    if n == total:
+        return total
+    rest = [memoryview(v) for v in views if len(v)]
+    while True:
+        while n:  # drop what went out
+            if n >= rest[0].nbytes:
+                n -= rest.pop(0).nbytes
             else:
-                views[0] = views[0][n:]
-                n = 0
-    return total
+                rest[0], n = rest[0][n:], 0
+        if not rest:
+            return total
+        n = sock.sendmsg(rest[:_IOV])
 
 
 def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
