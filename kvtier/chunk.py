@@ -223,6 +223,12 @@ def header_names(data: Buf, key: bytes) -> bool:
             and xxhash.xxh3_64_intdigest(view[: _HEAD.size]) == check)
 
 
+def payload_checksum(data: Buf) -> int:
+    """The payload checksum a chunk's header records (no check made: call it on a header
+    :func:`header_names` or :func:`decode_header` has accepted)."""
+    return int(_CHECK.unpack_from(data, _HEAD.size - _CHECK.size)[0])
+
+
 def decode_chunk(
     data: Buf,
     *,

@@ -15,6 +15,7 @@ from kvtier.chunk import (
     frame_raw_chunk,
     header_names,
     page_aligned_buffer,
+    payload_checksum,
 )
 from kvtier.codec import Codec, compress, decompress, shuffle, unshuffle
 from kvtier.errors import ChunkError
@@ -160,6 +161,7 @@ def test_header_names_refuses_each_field() -> None:
         _reseal(bad)
         assert not header_names(bad, KEY) and not _names_oracle(bad, KEY), pos
     assert header_names(np.frombuffer(bytes(good), dtype=np.uint8), KEY)
+    assert payload_checksum(good) == decode_header(good).checksum
 
 
 def test_header_alone_parses() -> None:

@@ -17,7 +17,7 @@ import grpc
 import xxhash
 from google.protobuf.message import DecodeError, Message
 
-from kvtier.chunk import HEADER_SIZE, decode_header
+from kvtier.chunk import HEADER_SIZE, decode_header, header_names, payload_checksum
 from kvtier.errors import ChunkError
 from kvtier.keys import KEY_BYTES
 from kvtier.protocol.gen import kvtier_pb2 as pb
@@ -122,6 +122,20 @@ def verify_chunk(key: bytes, chunk: bytes | memoryview, limits: Limits, what: st
     if n > limits.max_chunk_bytes:
         raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"{what}: chunk of {n} bytes exceeds max_chunk_bytes={limits.max_chunk_bytes}")
+    if header_names(chunk, key):  # the usual case: one whole chunk of this key, its header sound
+        expected = payload_checksum(chunk)
+    else:
+        expected = _refusal(key, chunk, what)
+    if payload_hash is None:
+        payload_hash = xxhash.xxh3_64_intdigest(memoryview(chunk)[HEADER_SIZE:])
+    if payload_hash != expected:
+        raise BadRequest(grpc.StatusCode.DATA_LOSS, f"{what}: payload checksum mismatch (corrupt chunk)")
+
+
+def _refusal(key: bytes, chunk: bytes | memoryview, what: str) -> int:
+    """Why header_names refused ``chunk``, as the BadRequest a client gets (decode_header's
+    reason, or the key or length it contradicts)."""
+    n = len(chunk)
     try:
         header = decode_header(chunk)
     except ChunkError as exc:
@@ -134,7 +148,4 @@ def verify_chunk(key: bytes, chunk: bytes | memoryview, limits: Limits, what: st
     if header.nbytes != n:
         raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what}: chunk is {n} bytes but its header says {header.nbytes}")
-    if payload_hash is None:
-        payload_hash = xxhash.xxh3_64_intdigest(memoryview(chunk)[HEADER_SIZE:])
-    if payload_hash != header.checksum:
-        raise BadRequest(grpc.StatusCode.DATA_LOSS, f"{what}: payload checksum mismatch (corrupt chunk)")
+    return header.checksum  # (header_names and decode_header agree: not reached)

@@ -39,9 +39,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
-from kvtier.chunk import decode_header
+from kvtier.chunk import header_names
 from kvtier.config import GrpcTierConfig
-from kvtier.errors import ChunkError, TierUnavailableError
+from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import (
     ABSENT,
     NODE_DOWN,
@@ -72,11 +72,7 @@ _CHECKED_AT_START = 3  # nodes whose Info (and credentials) a new tier checks
 def is_whole_chunk(entry: Entry) -> bool:
     """The header (checksummed) names the entry's key and its length (payload checksum: the
     node checks it; a chunk corrupted in this process's memory still fails its batch)."""
-    try:
-        header = decode_header(entry.data)
-    except ChunkError:
-        return False
-    return header.key == entry.key and header.nbytes == memoryview(entry.data).nbytes
+    return header_names(entry.data, entry.key)
 
 
 class GrpcTier(TierBase):
