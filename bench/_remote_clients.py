@@ -23,12 +23,13 @@ def _key(*parts: object) -> bytes:
 
 
 class _Client:
-    def __init__(self, system: str, path: str, addr: dict[str, Any], wid: int, size: int) -> None:
+    def __init__(self, system: str, path: str, addr: dict[str, Any], wid: int, size: int,
+                 batch_bytes: int = BATCH_BYTES) -> None:
         import numpy as np
 
         from kvtier.chunk import encode_chunk
 
-        n = BATCH_BYTES // size
+        n = batch_bytes // size
         self.system, self.size = system, size
         self.keys = [_key(wid, size, i) for i in range(n)]
         rng = np.random.default_rng(wid)
@@ -65,6 +66,12 @@ class _Client:
         else:  # "tcp" (the socket ceiling) or "memcpy" (the shared-memory ceiling)
             port = addr["tcp"][1 if path == "asyncio" else 0]
             self.loop = LoopbackClient(port, self.values, hot=path == "hot")
+
+    def close(self) -> None:
+        if self.system == "kvtier":
+            self.tier.close()
+        elif self.system in ("tcp", "memcpy"):
+            self.loop.sock.close()
 
     def put(self) -> None:
         if self.system == "kvtier":

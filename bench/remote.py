@@ -45,6 +45,11 @@ port), ``lookup_us_client`` (``GrpcTier.probe`` as a connector calls it) and
 ``lookup_us_client_grpc`` (the same with ``data_path="grpc"``), each {"min","median","max"}
 in µs; ``lookup_data_path_vs_grpc`` and ``lookup_client_vs_client_grpc`` are median ratios
 (below 1: the data path is faster).
+
+Small requests (bench/_small_requests.py), next, still before the workers: the round trip of
+one GET and one PUT of 8 chunks of 4 KiB, kvtier's socket path against the TCP ceiling, one
+client: ``small_{get,put}_us_kvtier``, ``small_{get,put}_us_tcp`` and
+``small_{get,put}_kvtier_vs_tcp`` (the per-request cost bytes do not hide).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 from _lookup_latency import PATHS, measure_lookups, summary
 from _loopback import serve
 from _remote_clients import TENANT_TOKEN, worker
+from _small_requests import measure_small, small_summary
 from _stats import Stats, fmt
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20}
@@ -201,6 +207,9 @@ def main() -> None:
         for path in PATHS:
             print(f"lookup 16 keys {path:27s} {fmt(lookups[path], 'us', 0)}", flush=True)
         addr = {"kvtier": kv_addr, "kvtier_tenants": many_addr, "redis": rs.port, "tcp": tcp_port}
+        small = measure_small(addr, 5 if args.quick else 15)
+        for name, us in small.items():
+            print(f"small {name:37s} {fmt(us, 'us', 0)} per 8 x 4 KiB request", flush=True)
         if lm_python is not None:
             lm_proc, addr["lmcache"] = start_server(lm_python)
         for wid in range(max(CLIENTS)):
@@ -290,6 +299,7 @@ def main() -> None:
     out.update({
         "default_data_path": default_path, "quick": args.quick, "reps": reps, "window_s": seconds,
         **summary(lookups),
+        **small_summary(small),
         "gbps": {k: vars(Stats.of(v)) for k, v in results.items()},
     })
     print("ratios (medians, 1 MiB x 4 clients): " + ", ".join(
