@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -58,7 +59,6 @@ DTYPES: dict[str, tuple[int, int]] = {
     "int8": (7, 1),
 }
 _DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
-_ITEMSIZE_BY_CODE = {code: size for code, size in DTYPES.values()}
 _CODEC_BY_ID = {int(c): c for c in Codec}
 
 Shape = tuple[int, int, int, int, int]  # (layers, kv, tokens, heads, head_dim)
@@ -175,52 +175,54 @@ def _write_header(out: memoryview, namespace: bytes, key: bytes, code: int, shap
     out[_HEAD.size : HEADER_SIZE] = _CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def decode_header(data: Buf) -> ChunkHeader:
-    """Parse and verify the 128-byte header (not the payload)."""
-    view = memoryview(data).cast("B")
+def _checked_fields(data: Buf) -> tuple[memoryview, tuple[Any, ...]]:
+    """The header's fields, unpacked, once every check on them has passed (magic, header
+    checksum, version, codec, dtype, layout); a :class:`ChunkError` naming the first that
+    fails. Shared by :func:`decode_header` and :func:`header_names`: one list of checks."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
     if view.nbytes < HEADER_SIZE:
         raise ChunkError("truncated", f"{view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
     # Every field at once (unpack_from: no slice objects), checked in the order below.
-    (magic, version, codec_id, flags, dcode, kv, _, _, layers, tokens, heads, head_dim,
-     namespace, key, raw_len, payload_len, checksum, check) = _HEADER.unpack_from(view)
+    fields = _HEADER.unpack_from(view)
+    (magic, version, codec_id, _, dcode, kv, _, _, layers, tokens, heads, head_dim,
+     _, _, raw_len, _, _, check) = fields
     if magic != MAGIC:
         raise ChunkError("bad_magic", f"magic {magic!r} is not {MAGIC!r}")
     if xxhash.xxh3_64_intdigest(view[: _HEAD.size]) != check:
         raise ChunkError("corrupt", "header checksum mismatch")
     if version != VERSION:
         raise ChunkError("bad_version", f"format version {version}, this reader knows {VERSION}")
-    codec = _CODEC_BY_ID.get(codec_id)
-    if codec is None:
+    if codec_id not in _CODEC_BY_ID:
         raise ChunkError("unknown_codec", f"codec id {codec_id}")
     dtype = _DTYPE_BY_CODE.get(dcode)
     if dtype is None:
         raise ChunkError("unknown_dtype", f"dtype code {dcode}")
-    shape: Shape = (layers, kv, tokens, heads, head_dim)
     if raw_len != layers * kv * tokens * heads * head_dim * DTYPES[dtype][1]:
+        shape = (layers, kv, tokens, heads, head_dim)
         raise ChunkError("layout_mismatch", f"raw length {raw_len} does not match shape {shape} of {dtype}")
-    return ChunkHeader(codec, bool(flags & FLAG_SHUFFLE), dtype, shape, namespace, key,
-                       raw_len, payload_len, checksum)
+    return view, fields
+
+
+def decode_header(data: Buf) -> ChunkHeader:
+    """Parse and verify the 128-byte header (not the payload)."""
+    _, (_, _, codec_id, flags, dcode, kv, _, _, layers, tokens, heads, head_dim,
+        namespace, key, raw_len, payload_len, checksum, _) = _checked_fields(data)
+    return ChunkHeader(_CODEC_BY_ID[codec_id], bool(flags & FLAG_SHUFFLE), _DTYPE_BY_CODE[dcode],
+                       (layers, kv, tokens, heads, head_dim), namespace, key, raw_len, payload_len, checksum)
 
 
 def header_names(data: Buf, key: bytes) -> bool:
     """Whether ``data`` is exactly one chunk of ``key`` by its header: every check
-    :func:`decode_header` makes (magic, header checksum, version, codec, dtype, layout), plus
-    the key and a total length equal to ``len(data)``. Not the payload checksum (left to the
-    reader that decodes). The guard a client puts on each chunk a node returns, at a few
-    hundred nanoseconds: no :class:`ChunkHeader` is built (tests/test_chunk.py holds it to
-    ``decode_header``'s verdicts)."""
-    view = memoryview(data)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
-    if view.nbytes < HEADER_SIZE:
+    :func:`decode_header` makes, plus the key and a total length equal to ``len(data)``. Not
+    the payload checksum (left to the reader that decodes). The guard a client puts on each
+    chunk a node returns, about a microsecond: no :class:`ChunkHeader` is built."""
+    try:
+        view, fields = _checked_fields(data)
+    except ChunkError:
         return False
-    (magic, version, codec_id, _, dcode, kv, _, _, layers, tokens, heads, head_dim,
-     _, named, raw_len, payload_len, _, check) = _HEADER.unpack_from(view)
-    itemsize = _ITEMSIZE_BY_CODE.get(dcode)
-    return (named == key and magic == MAGIC and version == VERSION and HEADER_SIZE + payload_len == view.nbytes
-            and itemsize is not None and codec_id in _CODEC_BY_ID
-            and raw_len == layers * kv * tokens * heads * head_dim * itemsize
-            and xxhash.xxh3_64_intdigest(view[: _HEAD.size]) == check)
+    return bool(fields[13] == key and HEADER_SIZE + fields[15] == view.nbytes)
 
 
 def payload_checksum(data: Buf) -> int:
