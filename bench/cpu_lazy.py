@@ -10,6 +10,13 @@ the OS before the put (``shed()``: what another tenant's put costs, a fault and 
 page). The last case again with 4 MiB slots (the server's default), the arena on small pages
 and on transparent huge pages (``cpu.huge_pages``): ``fresh_huge_vs_small_4mib``. Figures are GiB/s over --reps runs, min/median/max;
 the last line is one JSON object.
+
+First pass (``first_pass_*``): a lazy arena with room for every put (a server that has not
+used its RAM yet) takes 4 MiB puts into never-touched slots, with and without kvtier-server's
+warm-ahead thread (``cpu.warm_ahead_bytes``, default 256 MiB, faulting in free slots ahead of
+the puts), back to back (the thread races the puts for a second core) and paced (a 2 ms pause
+after each put, time inside the puts only: an engine writing back between forward passes).
+``first_pass_warm_vs_cold_4mib`` and ``first_pass_paced_warm_vs_cold_4mib`` are the ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import statistics
 import time
 
 from kvtier.config import CpuTierConfig
+from kvtier.server.pool import SharedPool
+from kvtier.server.warm_ahead import WarmAhead
 from kvtier.tiers.base import Entry
 from kvtier.tiers.cpu import CpuTier
 
@@ -40,6 +49,29 @@ def one_run(slots: int, lazy: bool, shed: bool, reuse: bool, slot: int = SLOT, h
             tier.put([Entry(key, data)])
         return slots * slot / (time.perf_counter() - start) / 2**30
     finally:
+        tier.close()
+
+
+def first_pass(puts: int, warm_ahead: bool, pause_s: float, slot: int = 4 * SLOT) -> float:
+    """GiB/s of ``puts`` puts into an empty lazy arena with room for all of them (time inside
+    the puts), the server's warm-ahead thread on or off."""
+    data = bytes(range(256)) * (slot // 256)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=puts * slot, slot_bytes=slot, pin_memory="never"), lazy=True)
+    pool = SharedPool(puts * slot, {"t": tier}, {"t": puts * slot})
+    warm = WarmAhead([tier], pool, CpuTierConfig().warm_ahead_bytes) if warm_ahead else None
+    try:
+        time.sleep(0.3)  # a server is up before its first put: let the reserve fill
+        busy = 0.0
+        for i in range(puts):
+            start = time.perf_counter()
+            tier.put([Entry(i.to_bytes(32, "little"), data)])
+            busy += time.perf_counter() - start
+            if pause_s:
+                time.sleep(pause_s)
+        return puts * slot / busy / 2**30
+    finally:
+        if warm is not None:
+            warm.close()
         tier.close()
 
 
@@ -66,6 +98,16 @@ def main() -> None:
     out["lazy_fresh_vs_pretouched"] = round(out["lazy_shed_fresh_pages_gibps"] / out["pretouched_self_evict_gibps"], 3)
     out["fresh_huge_vs_small_4mib"] = round(out["lazy_fresh_4mib_huge_pages_gibps"]
                                             / out["lazy_fresh_4mib_small_pages_gibps"], 3)
+    puts = 32 if args.quick else 256  # 128 MiB / 1 GiB: the second passes the default reserve
+    for paced, pause in (("", 0.0), ("paced_", 0.002)):
+        for warm in (False, True):
+            name = f"first_pass_{paced}{'warm_ahead' if warm else 'cold'}_4mib"
+            runs = [first_pass(puts, warm, pause) for _ in range(args.reps)]
+            med = statistics.median(runs)
+            print(f"{name}: put GiB/s min {min(runs):.2f} median {med:.2f} max {max(runs):.2f}")
+            out[f"{name}_gibps"] = round(med, 3)
+        out[f"first_pass_{paced}warm_vs_cold_4mib"] = round(out[f"first_pass_{paced}warm_ahead_4mib_gibps"]
+                                                            / out[f"first_pass_{paced}cold_4mib_gibps"], 3)
     print(json.dumps(out))
 
 

@@ -54,6 +54,10 @@ class CpuTierConfig:
     # pages: a put into fresh memory faults 2 MiB at a time (bench/cpu_lazy.py), but resident
     # memory is rounded up to 2 MiB per chunk. The library's pre-touched arena ignores it.
     huge_pages: bool = False
+    # kvtier-server: free slots of its lazy arenas kept faulted in ahead of the puts that take
+    # them, by a background thread (kvtier.server.warm_ahead); 0 = off. Resident memory, within
+    # the RAM budget. The library's pre-touched arena ignores it.
+    warm_ahead_bytes: int = field(default=256 * MiB, metadata=value_range(0, None, size=True))
 
 
 @dataclass(frozen=True)

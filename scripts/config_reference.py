@@ -27,6 +27,7 @@ HELP = {
     "cpu.policy": "eviction policy: adaptive, prefix, s3fifo or lru",
     "cpu.pin_memory": "pin the arena (only with CUDA present)",
     "cpu.huge_pages": "a lazily backed arena (kvtier-server) of 2 MiB-multiple slots on transparent huge pages",
+    "cpu.warm_ahead_bytes": "kvtier-server: free RAM slots faulted in ahead of the puts that take them, within the RAM budget (0 = off)",
     "disk.enabled": "local SSD tier, one file per chunk; crash-safe: a killed process never leaves a torn chunk that is served; not fsynced, so power loss can lose recent puts",
     "disk.path": "directory of the disk tier (shared by processes on the host)",
     "disk.capacity_bytes": "bound on the files' total size",

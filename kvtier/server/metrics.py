@@ -68,6 +68,13 @@ class _StorageCollector(Collector):
             for label_values, n in values.items():
                 family.add_metric(list(label_values), n)
             yield family
+        warm_ahead = self.storage.warm_ahead
+        if warm_ahead is not None:  # server-wide: warm slots are a RAM-budget matter, not a tenant's
+            yield GaugeMetricFamily("kvtier_server_ram_warm_bytes", "Free RAM slot bytes kept faulted in "
+                                    "for the puts to come (resident, holding no chunk)", value=warm_ahead.warm_bytes())
+            yield CounterMetricFamily("kvtier_server_ram_warmed_bytes", "Bytes of free RAM slots the "
+                                      "warm-ahead thread faulted in before a put needed them",
+                                      value=warm_ahead.warmed_bytes)
 
 
 class ServerMetrics:

@@ -38,6 +38,7 @@ from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import MIN_QUOTA_BYTES, Tenant
 from kvtier.server.pool import SharedPool
 from kvtier.server.traffic import TenantUsage, Traffic
+from kvtier.server.warm_ahead import WarmAhead
 from kvtier.tiers.base import Entry, Miss, Probe, Tier
 from kvtier.tiers.cpu import CpuTier, Reservation
 from kvtier.tiers.disk import DiskTier
@@ -316,6 +317,7 @@ class Storage:
             raise ValueError("the server needs the cpu tier, the disk tier or both enabled")
         n = max(1, len(tenants))
         self.stores: dict[str, TenantStore] = {}
+        self.warm_ahead: WarmAhead | None = None
         ram_shares: dict[str, int] = {}  # guaranteed bytes per tenant, of each budget
         disk_shares: dict[str, int] = {}
         try:
@@ -352,6 +354,9 @@ class Storage:
                                                            if s.ram is not None}, ram_shares)
                 for store in self.stores.values():
                     store.ram_pool = ram_pool
+                if cpu.warm_ahead_bytes:
+                    self.warm_ahead = WarmAhead([s.ram for s in self.stores.values() if s.ram is not None],
+                                                ram_pool, cpu.warm_ahead_bytes)
         except BaseException:
             self.close()
             raise
@@ -370,6 +375,8 @@ class Storage:
         return [p for s in self.stores.values() for p in s.check()]
 
     def close(self) -> None:
+        if self.warm_ahead is not None:
+            self.warm_ahead.close()
         for store in self.stores.values():
             store.close()
 

@@ -45,7 +45,6 @@ Evict listener
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 from collections.abc import Callable, Sequence
@@ -56,6 +55,7 @@ import numpy as np
 from kvtier.config import CpuTierConfig
 from kvtier.pinned import HUGE_PAGE, HostRegion
 from kvtier.policies import NothingToEvict, make_policy
+from kvtier.tiers.arena_pages import populate_pages, remove_pages
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys, leading_run
 from kvtier.tiers.cpu_access import ArenaAccess, Reservation
 
@@ -110,7 +110,7 @@ class CpuTier(ArenaAccess, BoundedTier):
         self.lazy = lazy
         self._base = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data  # page-aligned (mmap)
         if lazy:  # fail here, not at the first eviction, should the kernel refuse the madvise
-            _remove_pages(self._base, mmap.PAGESIZE)
+            remove_pages(self._base, mmap.PAGESIZE)
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
         # Free slots that kept their pages for a put about to come (taken before ``_free``).
@@ -119,6 +119,9 @@ class CpuTier(ArenaAccess, BoundedTier):
         self._writing: set[int] = set()  # slots handed to an in-flight put copy
         self._retired: set[int] = set()  # unmapped slots still being read
         self._used = 0
+        # Called (lock held: keep it cheap) whenever a put takes a free slot: kvtier-server's
+        # warm-ahead thread refills the warm slots it draws on (kvtier.server.warm_ahead).
+        self.take_listener: Callable[[], None] | None = None
 
     # --- slot bookkeeping (lock held) ---------------------------------------------------------
     def _release(self, slot: int, reuse: bool = False) -> None:
@@ -138,11 +141,9 @@ class CpuTier(ArenaAccess, BoundedTier):
         zero-filled pages are never seen by anyone."""
         self._free.append(slot)
         if self.lazy:
-            off = slot * self.slot_bytes
-            start = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (off + self.slot_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            start, end = self._whole_pages(slot)
             if end > start:
-                _remove_pages(self._base + start, end - start)
+                remove_pages(self._base + start, end - start)
 
     def _unmap(self, key: bytes, reuse: bool = False) -> bool:
         old = self._map.pop(key, None)
@@ -172,7 +173,13 @@ class CpuTier(ArenaAccess, BoundedTier):
         while not self._warm and not self._free:
             if self._evict_one(evicted, want_data, reuse=True) is None:
                 return None
-        return self._warm.pop() if self._warm else self._free.pop()
+        return self._pop_slot()
+
+    def _pop_slot(self) -> int | None:
+        """A free slot for a put, warm ones first; None when there is none (lock held)."""
+        if self.take_listener is not None:
+            self.take_listener()
+        return self._warm.pop() if self._warm else self._free.pop() if self._free else None
 
     def _acquire(self, key: bytes) -> tuple[int, int] | Miss:
         """Look ``key`` up and register a reader on its slot (lock held)."""
@@ -188,6 +195,51 @@ class CpuTier(ArenaAccess, BoundedTier):
         if not self._readers[slot] and slot in self._retired:
             self._retired.discard(slot)
             self._free_slot(slot)
+
+    # --- warm-ahead (lazy arena) -------------------------------------------------------------
+    @property
+    def warm_bytes(self) -> int:
+        """Bytes of free slots whose pages are kept for the puts to come (resident, not
+        counted in ``used_bytes``). Read without the lock: a snapshot."""
+        return len(self._warm) * self.slot_bytes
+
+    def warm_ahead(self) -> int:
+        """Lazy arena: fault in the pages of the free slot the next cold put would take, before
+        that put comes, and keep the slot warm; returns the bytes made warm, 0 when no free slot
+        is cold (or a put took this one meanwhile; its pages then served that put). The tier
+        lock is not held while the pages fault in, and no byte already in the slot changes
+        (``arena_pages.populate_pages``), so a put writing into the slot meanwhile loses nothing.
+        Raises ``arena_pages.PopulateUnsupported`` on a kernel without ``MADV_POPULATE_WRITE``,
+        OSError when the kernel refuses the pages. Any thread (one at a time per tier)."""
+        with self._lock:
+            if not self.lazy or self._closed or not self._free:
+                return 0
+            slot = self._free[-1]  # what the next cold put pops
+        start, end = self._whole_pages(slot)
+        if end > start:
+            populate_pages(self._base + start, end - start)
+        with self._lock:
+            if self._closed or not self._free or self._free[-1] != slot:
+                return 0
+            self._warm.append(self._free.pop())
+        return self.slot_bytes
+
+    def cool_one(self) -> int:
+        """Give one warm free slot's pages back to the OS; returns the bytes given back (0: no
+        warm slot). For kvtier-server's warm-ahead, when the chunks held have grown into the
+        room its warm slots took. Any thread."""
+        with self._lock:
+            if not self.lazy or not self._warm:
+                return 0
+            self._free_slot(self._warm.pop(0))  # the oldest: the next put takes the newest
+        return self.slot_bytes
+
+    def _whole_pages(self, slot: int) -> tuple[int, int]:
+        """Arena offsets of the pages wholly inside ``slot`` (a page shared with a neighbouring
+        slot may hold that slot's live bytes)."""
+        off = slot * self.slot_bytes
+        start = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
+        return start, (off + self.slot_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
 
     # --- verbs ----------------------------------------------------------------------------------
     def _probe(self, keys: Sequence[bytes]) -> Probe:
@@ -310,7 +362,7 @@ class CpuTier(ArenaAccess, BoundedTier):
             if evict:
                 slot = self._take_slot(evicted, self.evict_listener is not None)
             else:
-                slot = self._warm.pop() if self._warm else self._free.pop() if self._free else None
+                slot = self._pop_slot()
             if slot is None:
                 return None
             self._writing.add(slot)
@@ -371,17 +423,3 @@ class CpuTier(ArenaAccess, BoundedTier):
         with self._lock:
             for key in list(self._map):
                 self._unmap(key)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-def _remove_pages(addr: int, nbytes: int) -> None:
-    """Free the pages of ``[addr, addr + nbytes)`` (page-aligned) of the lazy arena, a private
-    anonymous mapping: ``MADV_DONTNEED`` frees them (the next write faults in a zeroed page).
-    (On a shared mapping it would only unmap them and MADV_REMOVE would be needed.) Raises
-    OSError when the kernel refuses."""
-    if _libc.madvise(addr, nbytes, mmap.MADV_DONTNEED) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) of {nbytes} bytes refused (errno {err})")
