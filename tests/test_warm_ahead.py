@@ -89,13 +89,46 @@ def test_fills_the_reserve_within_the_budget_and_puts_take_warm_slots() -> None:
         warm = set(tier._warm)
         assert all(resident_pages(tier, s) == SLOT // PAGE for s in warm)
         assert all(resident_pages(tier, s) == 0 for s in range(16) if s not in warm)
-        for i in range(6):  # each put takes a warm slot, and the thread refills behind it
+        for i in range(6):  # each put takes a warm slot; below half the reserve the thread refills
             warm = set(tier._warm)
             assert tier.put([Entry(key(i), chunk(i))]) == [True]
             assert tier._map[key(i)][0] in warm
-            wait_for(lambda: tier.warm_bytes == 4 * SLOT, "the reserve refilled")
+            if i in (2, 5):
+                wait_for(lambda: tier.warm_bytes == 4 * SLOT, "the reserve refilled")
         assert wa.warmed_bytes == 10 * SLOT
         assert tier.get([key(i) for i in range(6)]) == [chunk(i) for i in range(6)]
+        assert tier.check() == []
+        # Overwrites keep the reserve warm by themselves (the old slot stays warm): no wake-up
+        # per put, which would cost the put path a context switch each.
+        woken = wa.wakeups
+        for _ in range(50):
+            assert tier.put([Entry(key(0), chunk(0))]) == [True]
+        time.sleep(0.05)
+        assert wa.wakeups == woken and tier.warm_bytes >= 4 * SLOT
+    finally:
+        wa.close()
+        tier.close()
+
+
+def test_a_full_budget_does_not_wake_the_thread_per_put() -> None:
+    """A full cache's puts evict and reuse their victims' pages; the thread stays asleep
+    (it looks for room once per POLL_S), and comes back when a delete makes room."""
+    tier = lazy_tier(8)
+    pool = SharedPool(4 * SLOT, {"t": tier}, {"t": 4 * SLOT})
+    wa = WarmAhead([tier], pool, reserve_bytes=2 * SLOT)
+    try:
+        for i in range(40):
+            pool.make_room("t", SLOT)
+            assert tier.put([Entry(key(i), chunk(i))]) == [True]
+        time.sleep(0.05)
+        woken = wa.wakeups
+        for i in range(40, 80):
+            pool.make_room("t", SLOT)
+            assert tier.put([Entry(key(i), chunk(i))]) == [True]
+        time.sleep(0.05)
+        assert wa.wakeups == woken
+        assert tier.delete([key(i) for i in range(76, 80)]) == 4  # room for two warm slots again
+        wait_for(lambda: wa.warm_bytes() == 2 * SLOT, "the poll to find the room", timeout=5)
         assert tier.check() == []
     finally:
         wa.close()

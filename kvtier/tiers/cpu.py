@@ -177,9 +177,10 @@ class CpuTier(ArenaAccess, BoundedTier):
 
     def _pop_slot(self) -> int | None:
         """A free slot for a put, warm ones first; None when there is none (lock held)."""
-        if self.take_listener is not None:
+        slot = self._warm.pop() if self._warm else self._free.pop() if self._free else None
+        if slot is not None and self.take_listener is not None:
             self.take_listener()
-        return self._warm.pop() if self._warm else self._free.pop() if self._free else None
+        return slot
 
     def _acquire(self, key: bytes) -> tuple[int, int] | Miss:
         """Look ``key`` up and register a reader on its slot (lock held)."""
