@@ -249,7 +249,7 @@ def test_server_warms_ahead_and_shows_it(tmp_path: Path) -> None:
         # (>=: a put run gives back the slots it reserved and did not use, warm, on top)
         wait_for(lambda: _metric(s.metrics(), "kvtier_server_ram_warm_bytes") >= 8 << 20, "the reserve refilled")
         # the reserve filled at start and again after the puts drew on it
-        assert _metric(s.metrics(), "kvtier_server_ram_warmed_bytes_total") >= 16 << 20
+        assert _metric(s.metrics(), "kvtier_server_ram_warmed_bytes_total") > 8 << 20
         assert client.get(keys) == chunks
     finally:
         client.close()

@@ -22,10 +22,11 @@ A warm slot is drawn on by its own tenant only: at start every tenant's arena ge
 then the tenants whose puts took slots, one slot each in turn; another tenant's eviction
 (``shed``) hands a tier's warm slots back to the OS first.
 
-Cost to the put path: one call per slot taken (a comparison). The thread is not woken while
-a tenant's warm slots are above half its share (overwrites and evictions keep their slots
-warm by themselves) nor while the budget is full (it then looks for room every ``POLL_S``):
-a wake-up per put cost the server ~10-20 us of CPU per chunk in a small-PUT loop.
+Cost to the put path: one call per slot taken (a comparison). A put that takes a warm slot
+does not wake the thread while its tenant's warm slots are above half its share (overwrites
+and evictions keep their slots warm by themselves) nor while the budget is full (it then
+looks for room every ``POLL_S``): a wake-up per put cost the server ~10-20 us of CPU per chunk
+in a small-PUT loop. A put that takes a cold slot (its faults cost far more) always does.
 
 Failure: a kernel without ``MADV_POPULATE_WRITE`` (before Linux 5.14) turns warm-ahead off,
 with one log line; a refused populate (no memory) is logged and the thread waits for the
@@ -64,20 +65,21 @@ class WarmAhead:
         self._stop = False
         self._starved = False  # the last fill stopped for want of room in the budget
         for i, tier in enumerate(self.tiers):
-            tier.take_listener = lambda i=i: self._wanted_by(i)
+            tier.take_listener = lambda cold, i=i: self._wanted_by(i, cold)
         self._thread = threading.Thread(target=self._run, name="kvtier-warm-ahead", daemon=True)
         self._thread.start()
         self._wake.set()
 
-    def _wanted_by(self, index: int) -> None:
-        """A put took a slot of tier ``index`` (its tier lock held: only flag and wake). No
-        wake-up while the tier keeps at least half its share of the reserve warm: a server
-        whose puts reuse slots (overwrites, evictions) keeps them warm by itself, and a
-        wake-up per put costs it ~10-20 us of CPU (a context switch and the GIL). None either
-        while the budget has no room for a warm slot (a full cache: its puts evict and
-        reuse the victims' pages)."""
-        if self._starved or self.tiers[index].warm_bytes >= self._low_bytes:
-            return  # (starved: a full budget; the thread looks again every POLL_S)
+    def _wanted_by(self, index: int, cold: bool) -> None:
+        """A put took a slot of tier ``index``, ``cold`` when its pages were not faulted in
+        (its tier lock held: only flag and wake). A warm take wakes nobody while the tier
+        keeps at least half its share of the reserve warm (overwrites and evictions keep
+        their slots warm by themselves; a wake-up per put costs the server ~10-20 us of CPU:
+        a context switch and the GIL), nor while the budget is full (the thread then looks
+        for room every POLL_S). A cold take always wakes it: resident memory grew, and other
+        tenants' warm slots may have to give way."""
+        if not cold and (self._starved or self.tiers[index].warm_bytes >= self._low_bytes):
+            return
         with self._lock:
             self._wanted.add(index)
         self._wake.set()

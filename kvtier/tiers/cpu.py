@@ -119,9 +119,10 @@ class CpuTier(ArenaAccess, BoundedTier):
         self._writing: set[int] = set()  # slots handed to an in-flight put copy
         self._retired: set[int] = set()  # unmapped slots still being read
         self._used = 0
-        # Called (lock held: keep it cheap) whenever a put takes a free slot: kvtier-server's
-        # warm-ahead thread refills the warm slots it draws on (kvtier.server.warm_ahead).
-        self.take_listener: Callable[[], None] | None = None
+        # Called (lock held: keep it cheap) whenever a put takes a free slot, with whether the
+        # slot was cold (its pages not faulted in): kvtier-server's warm-ahead thread refills
+        # the warm slots puts draw on (kvtier.server.warm_ahead).
+        self.take_listener: Callable[[bool], None] | None = None
 
     # --- slot bookkeeping (lock held) ---------------------------------------------------------
     def _release(self, slot: int, reuse: bool = False) -> None:
@@ -177,9 +178,14 @@ class CpuTier(ArenaAccess, BoundedTier):
 
     def _pop_slot(self) -> int | None:
         """A free slot for a put, warm ones first; None when there is none (lock held)."""
-        slot = self._warm.pop() if self._warm else self._free.pop() if self._free else None
-        if slot is not None and self.take_listener is not None:
-            self.take_listener()
+        if self._warm:
+            slot, cold = self._warm.pop(), False
+        elif self._free:
+            slot, cold = self._free.pop(), True
+        else:
+            return None
+        if self.take_listener is not None:
+            self.take_listener(cold)
         return slot
 
     def _acquire(self, key: bytes) -> tuple[int, int] | Miss:
