@@ -55,9 +55,10 @@ import numpy as np
 from kvtier.config import CpuTierConfig
 from kvtier.pinned import HUGE_PAGE, HostRegion
 from kvtier.policies import NothingToEvict, make_policy
-from kvtier.tiers.arena_pages import populate_pages, remove_pages
+from kvtier.tiers.arena_pages import remove_pages
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys, leading_run
 from kvtier.tiers.cpu_access import ArenaAccess, Reservation
+from kvtier.tiers.cpu_warm import WarmSlots
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int, private: bool
     return region, region.view, region.pinned
 
 
-class CpuTier(ArenaAccess, BoundedTier):
+class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
     """See the module docstring for the threading and ownership rules; ``lazy`` selects the
     lazily backed arena (see "Lazy arena" there)."""
 
@@ -202,51 +203,6 @@ class CpuTier(ArenaAccess, BoundedTier):
         if not self._readers[slot] and slot in self._retired:
             self._retired.discard(slot)
             self._free_slot(slot)
-
-    # --- warm-ahead (lazy arena) -------------------------------------------------------------
-    @property
-    def warm_bytes(self) -> int:
-        """Bytes of free slots whose pages are kept for the puts to come (resident, not
-        counted in ``used_bytes``). Read without the lock: a snapshot."""
-        return len(self._warm) * self.slot_bytes
-
-    def warm_ahead(self) -> int:
-        """Lazy arena: fault in the pages of the free slot the next cold put would take, before
-        that put comes, and keep the slot warm; returns the bytes made warm, 0 when no free slot
-        is cold (or a put took this one meanwhile; its pages then served that put). The tier
-        lock is not held while the pages fault in, and no byte already in the slot changes
-        (``arena_pages.populate_pages``), so a put writing into the slot meanwhile loses nothing.
-        Raises ``arena_pages.PopulateUnsupported`` on a kernel without ``MADV_POPULATE_WRITE``,
-        OSError when the kernel refuses the pages. Any thread (one at a time per tier)."""
-        with self._lock:
-            if not self.lazy or self._closed or not self._free:
-                return 0
-            slot = self._free[-1]  # what the next cold put pops
-        start, end = self._whole_pages(slot)
-        if end > start:
-            populate_pages(self._base + start, end - start)
-        with self._lock:
-            if self._closed or not self._free or self._free[-1] != slot:
-                return 0
-            self._warm.append(self._free.pop())
-        return self.slot_bytes
-
-    def cool_one(self) -> int:
-        """Give one warm free slot's pages back to the OS; returns the bytes given back (0: no
-        warm slot). For kvtier-server's warm-ahead, when the chunks held have grown into the
-        room its warm slots took. Any thread."""
-        with self._lock:
-            if not self.lazy or not self._warm:
-                return 0
-            self._free_slot(self._warm.pop(0))  # the oldest: the next put takes the newest
-        return self.slot_bytes
-
-    def _whole_pages(self, slot: int) -> tuple[int, int]:
-        """Arena offsets of the pages wholly inside ``slot`` (a page shared with a neighbouring
-        slot may hold that slot's live bytes)."""
-        off = slot * self.slot_bytes
-        start = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
-        return start, (off + self.slot_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
 
     # --- verbs ----------------------------------------------------------------------------------
     def _probe(self, keys: Sequence[bytes]) -> Probe:
