@@ -210,6 +210,28 @@ def test_warming_beside_puts_deletes_and_reads_never_changes_a_stored_byte() -> 
     tier.close()
 
 
+def test_a_tenant_at_its_cap_does_not_wake_the_thread_per_put() -> None:
+    """A tenant whose tier is full at its own cap, in a budget with room: its puts evict its
+    own chunks and reuse their pages, and with no cold slot left there is nothing to warm,
+    so the thread stays asleep (a wake-up per put costs the put path a context switch)."""
+    tier = lazy_tier(4)
+    pool = SharedPool(16 * SLOT, {"t": tier}, {"t": 16 * SLOT})
+    wa = WarmAhead([tier], pool, reserve_bytes=4 * SLOT)
+    try:
+        for i in range(8):
+            assert tier.put([Entry(key(i), chunk(i))]) == [True]
+        time.sleep(0.05)
+        woken = wa.wakeups
+        for i in range(8, 48):
+            assert tier.put([Entry(key(i), chunk(i))]) == [True]
+        time.sleep(0.05)
+        assert wa.wakeups == woken
+        assert tier.get([key(47)]) == [chunk(47)] and tier.check() == []
+    finally:
+        wa.close()
+        tier.close()
+
+
 class _OldKernelTier(CpuTier):
     """A tier on a kernel without MADV_POPULATE_WRITE (a fake: the one refusal it injects)."""
 

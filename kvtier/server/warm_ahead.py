@@ -25,7 +25,8 @@ then the tenants whose puts took slots, one slot each in turn; another tenant's 
 Cost to the put path: one call per slot taken (a comparison). A put that takes a warm slot
 does not wake the thread while its tenant's warm slots are above half its share (overwrites
 and evictions keep their slots warm by themselves) nor while the budget is full (it then
-looks for room every ``POLL_S``): a wake-up per put cost the server ~10-20 us of CPU per chunk
+looks for room every ``POLL_S``) nor when the tenant has no cold slot left (at its cap, it
+evicts its own chunks and reuses their pages): a wake-up per put cost the server ~10-20 us of CPU per chunk
 in a small-PUT loop. A put that takes a cold slot (its faults cost far more) always does.
 
 Failure: a kernel without ``MADV_POPULATE_WRITE`` (before Linux 5.14) turns warm-ahead off,
@@ -76,9 +77,11 @@ class WarmAhead:
         keeps at least half its share of the reserve warm (overwrites and evictions keep
         their slots warm by themselves; a wake-up per put costs the server ~10-20 us of CPU:
         a context switch and the GIL), nor while the budget is full (the thread then looks
-        for room every POLL_S). A cold take always wakes it: resident memory grew, and other
-        tenants' warm slots may have to give way."""
-        if not cold and (self._starved or self.tiers[index].warm_bytes >= self._low_bytes):
+        for room every POLL_S), nor when the tier has no cold slot left to warm (a tenant at
+        its cap evicts its own chunks and reuses their pages). A cold take always wakes it:
+        resident memory grew, and other tenants' warm slots may have to give way."""
+        tier = self.tiers[index]
+        if not cold and (self._starved or tier.warm_bytes >= self._low_bytes or not tier.has_cold_slot):
             return
         with self._lock:
             self._wanted.add(index)

@@ -36,6 +36,12 @@ class WarmSlots:
         counted in ``used_bytes``). Read without the lock: a snapshot."""
         return len(self._warm) * self.slot_bytes
 
+    @property
+    def has_cold_slot(self) -> bool:
+        """Whether a free slot is left whose pages are not faulted in (something for
+        :meth:`warm_ahead` to do). A snapshot."""
+        return bool(self._free)
+
     def warm_ahead(self) -> int:
         """Lazy arena: fault in the pages of the free slot the next cold put would take, before
         that put comes, and keep the slot warm; returns the bytes made warm, 0 when no free slot
