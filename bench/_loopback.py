@@ -36,16 +36,20 @@ Python server does, so it aligns. Requests are a 9-byte header ``<op:1><n:u64>``
 - ``p`` n: copy n bytes from the mapped segment into the sink (the server's half of a put
   through shared memory); reply ``k``.
 - ``g`` n: copy n bytes of the connection's source into the mapped segment (the server's half
-  of a get); reply ``k``.
+  of a get through a segment); reply ``k``.
+- ``r`` n: reply ``k`` at once: the client copies n bytes straight out of the segment, as if
+  it were the server's own memory mapped into the client (the get of kvtier's arena reads,
+  kvtier.server.arena_refs: one copy).
 
 The same process also runs the old baseline on a second port: a single-threaded asyncio
 source/sink (``tcp-asyncio``: one core for every client, and ``transport.write`` copies the
 unsent part of each reply). It is measured only to show what the old "loopback limit" was.
 
 With ``p``/``g`` the client copies its values into the segment (put) or out of it into its own
-buffer (get): two memcpys and two 1-byte messages per batch, the least work moving bytes from
-one process's memory into another's takes, which is what kvtier's shm path does plus its
-framing, index and checksums. Clients are :class:`LoopbackClient` (one socket each, all
+buffer (get): two memcpys and two 1-byte messages per batch, what kvtier's shm path does for a
+put (and did for a get before arena reads) plus its framing, index and checksums. With ``r``
+the get is one memcpy and two 1-byte messages: the least work moving bytes from one process's
+memory into another's takes, which is what a kvtier get with arena reads does. Clients are :class:`LoopbackClient` (one socket each, all
 buffers allocated up front). Failure: any socket error ends that connection's thread.
 """
 
@@ -133,10 +137,10 @@ def _serve_conn(conn: socket.socket, payload: memoryview) -> None:
                     os.close(fd)
                 segv = memoryview(seg)
                 _send_exact(conn, ack)
-            elif op in (b"p", b"g") and segv is not None:
+            elif op in (b"p", b"g", b"r") and segv is not None:
                 if op == b"p":
                     sink[:n] = segv[:n]
-                else:
+                elif op == b"g":
                     segv[:n] = source[:n]
                 _send_exact(conn, ack)
             else:
@@ -232,6 +236,7 @@ class LoopbackClient:
         self.get_head = HEAD.pack(b"H" if hot else b"G", self.nbytes)
         self.memcpy_put_head = HEAD.pack(b"p", self.nbytes)
         self.memcpy_get_head = HEAD.pack(b"g", self.nbytes)
+        self.memcpy_read_head = HEAD.pack(b"r", self.nbytes)
         self.seg: mmap.mmap | None = None
         self.segv: memoryview | None = None
 
@@ -279,10 +284,12 @@ class LoopbackClient:
         self.sock.sendall(self.memcpy_put_head)
         self._ack()
 
-    def memcpy_get(self) -> None:
+    def memcpy_get(self, copies: int = 1) -> None:
+        """One copy (``r``: out of the server's shared memory) or two (``g``: the server's copy
+        into the segment, then ours out of it)."""
         if self.segv is None:
             self.map_segment()
         assert self.segv is not None
-        self.sock.sendall(self.memcpy_get_head)
+        self.sock.sendall(self.memcpy_read_head if copies == 1 else self.memcpy_get_head)
         self._ack()
         self.recv_buf[:] = self.segv[: self.nbytes]

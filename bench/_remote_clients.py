@@ -30,7 +30,7 @@ class _Client:
         from kvtier.chunk import encode_chunk
 
         n = batch_bytes // size
-        self.system, self.size = system, size
+        self.system, self.path, self.size = system, path, size
         self.keys = [_key(wid, size, i) for i in range(n)]
         rng = np.random.default_rng(wid)
         self.values = [bytes(encode_chunk(b"\0" * 32, k, "uint8", (1, 1, size, 1, 1),
@@ -96,8 +96,8 @@ class _Client:
             assert self.lm.get_many_into(self.lm_ids, self.outs) == len(self.lm_ids)
         elif self.system == "tcp":
             self.loop.tcp_get()
-        else:
-            self.loop.memcpy_get()
+        else:  # path "two": the two-copy get through a segment (kvtier's before arena reads)
+            self.loop.memcpy_get(2 if self.path == "two" else 1)
 
 
 def worker(wid: int, addr: dict[str, Any], conn: Connection) -> None:

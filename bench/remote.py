@@ -8,8 +8,11 @@ own redis-server (redis-py as shipped, with hiredis, and redis-py "tuned" with t
 Python packer kvtier's redis tier uses, bench/remote_redis.py; pipelined MSET/MGET) and the
 ceilings of bench/_loopback.py: a TCP source/sink built like kvtier's data plane (a blocking
 thread per connection, ``sendmsg`` / ``recv_into``, no per-operation allocation: the best a
-Python server does on this socket) and an inter-process memcpy through a shared segment (the
-least work that moves bytes between two processes' memory). It then moves batches of 8 MiB of
+Python server does on this socket) and an inter-process memcpy through shared memory (the
+least work that moves bytes between two processes' memory: for a put, the client's copy into
+a segment and the server's out of it; for a get, since kvtier's GETs reference the server's
+arena mapped read-only (kvtier.server.arena_refs), the client's one copy out of the server's
+shared memory). It then moves batches of 8 MiB of
 values (256 KiB or 1 MiB each) with 1 and 4 concurrent clients (separate processes,
 bench/_remote_clients.py): put, get (fresh ``bytes``, like MGET) and get_into (caller's
 buffers), for every data path the grpc tier supports: shm (what it picks for a node on this
@@ -24,7 +27,10 @@ includes the fresh ``bytes`` kvtier's ``get`` allocates; ``socket_get_into_vs_tc
 ``shm_get_into_vs_memcpy`` compare buffer with buffer. ``shm_*_vs_redis`` / ``shm_*_vs_tcp`` are what the old headline keys
 ``get_vs_redis`` ... measured (the client's default path on loopback is shm, whose bytes never
 cross a socket): kept, named for what they compare; ``*_vs_tcp_asyncio`` and
-``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view.
+``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view;
+``shm_get_vs_memcpy_two_copies`` keeps the get ceiling of before arena reads in view (the
+server's copy into the segment, then the client's), and ``memcpy_two_copies_get_vs_memcpy``
+says what the second copy costs.
 The ceilings serve each connection its own memory, as a store serves each client its own
 values (4 clients read 32 MiB of distinct bytes), and read with ``MSG_WAITALL`` as kvtier does;
 ``*_vs_tcp_hot`` and ``tcp_hot_*_vs_tcp`` keep the earlier ceiling in view, whose one shared
@@ -153,7 +159,8 @@ def run_plan(quick: bool, tuned: bool, lmcache: bool = False) -> dict[tuple[str,
     extra = [("kvtier", "shm", "get_into"), ("kvtier", "socket", "get_into"), ("kvtier", "grpc", "put"),
              ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
              ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get"),
-             ("tcp", "hot", "put"), ("tcp", "hot", "get"), ("kvtier", "tenants", "put")]
+             ("tcp", "hot", "put"), ("tcp", "hot", "get"), ("kvtier", "tenants", "put"),
+             ("memcpy", "two", "get")]
     extra += [("lmcache", "-", "put"), ("lmcache", "-", "get")] if lmcache else []
     plan = {}
     for size_name in SIZES:
@@ -261,6 +268,10 @@ def main() -> None:
         # the rest, each named by the path it measures
         "socket_get_into_vs_tcp": ("kvtier-socket get_into", "tcp get"),
         "shm_get_into_vs_memcpy": ("kvtier-shm get_into", "memcpy get"),
+        # against the two-copy get (the server's copy into the segment, then the client's):
+        # the ceiling shm_get_vs_memcpy had before arena reads made kvtier's get one copy
+        "shm_get_vs_memcpy_two_copies": ("kvtier-shm get", "memcpy-two get"),
+        "memcpy_two_copies_get_vs_memcpy": ("memcpy-two get", "memcpy get"),
         "socket_get_vs_redis": ("kvtier-socket get", "redis get"),
         "socket_put_vs_redis": ("kvtier-socket put", "redis put"),
         # what the old headline keys (get_vs_redis, ...) measured: the shm path, whose bytes

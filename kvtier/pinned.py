@@ -14,8 +14,10 @@ themselves are the caller's to share.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
+import os
 import sys
 from typing import Any
 
@@ -55,6 +57,19 @@ def _cudart(import_torch: bool) -> Any:
     return torch.cuda.cudart()
 
 
+def _sealed_memfd(nbytes: int) -> int:
+    """A memfd of ``nbytes`` (its pages allocated only when written) whose size no one can
+    change again: a process mapping it can never lose pages under its mapping."""
+    fd = os.memfd_create("kvtier-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 class HostRegion:
     """``nbytes`` of anonymous memory, registered with CUDA when ``pin`` asks and CUDA is there.
 
@@ -63,20 +78,29 @@ class HostRegion:
     """
 
     def __init__(self, nbytes: int, pin: str = "auto", align: int = 1, private: bool = False,
-                 huge_pages: bool = False) -> None:
+                 huge_pages: bool = False, memfd: bool = False) -> None:
         """``private``: a private anonymous mapping (its pages are freed by MADV_DONTNEED and
         fault in at about two thirds of the cost of the default shared one's, measured here);
         the default is a shared anonymous (shmem) mapping. ``huge_pages`` (private only):
-        transparent huge pages where the kernel offers them (``huge``: advised)."""
+        transparent huge pages where the kernel offers them (``huge``: advised). ``memfd``
+        (not with ``private``): the shared mapping of a memfd whose size is sealed, so that
+        :meth:`reader_fd` can hand other processes a read-only view that can never SIGBUS
+        (kvtier-server's arena reads). Raises OSError where no memfd can be made."""
         if pin not in ("never", "auto", "always"):
             raise ValueError(f"pin must be never, auto or always, got {pin!r}")
+        if memfd and private:
+            raise ValueError("host region: a memfd region is shared, not private")
         self.nbytes = nbytes
         self.private = private
+        self.fd = _sealed_memfd(max(nbytes, 1)) if memfd else -1
         # A private region on huge pages starts on a huge-page boundary (mapped HUGE_PAGE bytes
         # longer), so slots of 2 MiB multiples are whole huge pages (freed whole by MADV_DONTNEED).
         self.huge = private and huge_pages
-        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
-        self.map = mmap.mmap(-1, nbytes + HUGE_PAGE if self.huge else max(nbytes, 1), flags=flags)
+        if memfd:
+            self.map = mmap.mmap(self.fd, max(nbytes, 1))
+        else:
+            flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+            self.map = mmap.mmap(-1, nbytes + HUGE_PAGE if self.huge else max(nbytes, 1), flags=flags)
         offset = -_address(self.map) % HUGE_PAGE if self.huge else 0
         self.huge = self.huge and _advise_huge(self.map)
         self.view = memoryview(self.map)[offset : offset + nbytes]
@@ -111,10 +135,23 @@ class HostRegion:
         self._registered = []
         self.pinned = False
 
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of a ``memfd`` region (the caller closes it): whoever
+        holds it can map the region's bytes for reading, but neither write them nor change
+        their size. Raises ValueError for a region that is not a memfd, OSError where the
+        descriptor cannot be reopened (no /proc)."""
+        if self.fd < 0:
+            raise ValueError("host region: only a memfd region has reader descriptors")
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
     def close(self) -> None:
-        """Unregister (the mapping itself goes when the last view of it is dropped)."""
+        """Unregister, and close a memfd region's descriptor (the mapping itself goes when the
+        last view of it is dropped)."""
         if self._registered:
             self._unregister()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __del__(self) -> None:
         # Nothing can be copying from a region nobody references: give the pages back to the

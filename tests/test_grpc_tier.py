@@ -118,7 +118,9 @@ def test_data_path_carries_the_bytes(contract_server: tuple[ServerProc, list[str
         finally:
             tier.close()
     metrics = proc.metrics()
-    for line in [f'direction="{d}",path="{p}"' for d in ("in", "out") for p in ("shm", "socket", "grpc")]:
+    # GETs on shared memory reference the tenant's arena (kvtier.server.arena_refs): out "arena"
+    for line in [f'direction="{d}",path="{p}"' for d, paths in (("in", ("shm", "socket", "grpc")),
+                                                                 ("out", ("arena", "socket", "grpc"))) for p in paths]:
         value = next(m for m in metrics.splitlines() if line in m and not m.startswith("#"))
         assert float(value.split()[-1]) > 4 * 3900, value
 

@@ -1,7 +1,9 @@
 """A request larger than the shared segment: the data path cuts it into requests that each fit
 (kvtier.tiers.remote.batching), so every chunk still travels through shared memory rather than
 inline over the socket. A real kvtier-server with a 64 KiB segment per connection; the proof is
-its own byte counters by path, and a control with the segment off."""
+its own byte counters by path, and a control with the segment off. GETs go through the segment
+with ``arena_reads`` off; with it on (the default), their RAM hits are referenced in the
+tenant's arena instead (kvtier.server.arena_refs), in requests cut the same way."""
 
 from __future__ import annotations
 
@@ -29,15 +31,17 @@ def _bytes_by_path(server: ServerProc) -> dict[tuple[str, str], float]:
     return out
 
 
-@pytest.fixture(name="server")
-def small_segment_server(tmp_path: Path) -> Iterator[ServerProc]:
+@pytest.fixture(name="server_path", params=["arena_reads=false", "arena_reads=true"])
+def small_segment_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ServerProc, str]]:
+    """(the server, the path its GETs' RAM hits take out: "arena" or "shm")."""
     s = start_server(tmp_path, "--slot-bytes", "8KiB", "--cpu-bytes", "4MiB", "--set", "shm_bytes=64KiB",
-                     "--set", "max_chunk_bytes=8KiB")
-    yield s
+                     "--set", "max_chunk_bytes=8KiB", "--set", request.param)
+    yield s, "arena" if request.param.endswith("true") else "shm"
     assert s.stop() == 0, s.log
 
 
-def test_a_batch_larger_than_the_segment_stays_on_shared_memory(server: ServerProc) -> None:
+def test_a_batch_larger_than_the_segment_stays_on_shared_memory(server_path: tuple[ServerProc, str]) -> None:
+    server, out = server_path
     tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(server.address,), data_path="shm"))
     try:
         keys = make_keys(40, seed=5)  # ~280 KiB: over four segments' worth in one call
@@ -61,7 +65,8 @@ def test_a_batch_larger_than_the_segment_stays_on_shared_memory(server: ServerPr
     moved = _bytes_by_path(server)
     total = sum(len(c) for c in chunks)
     assert moved[("in", "shm")] == total and moved[("in", "socket")] == 0, moved
-    assert moved[("out", "shm")] == 3 * total and moved[("out", "socket")] == 0, moved
+    assert moved[("out", out)] == 3 * total and moved[("out", "socket")] == 0, moved
+    assert moved.get(("out", "shm" if out == "arena" else "arena"), 0) == 0, moved
 
 
 def test_control_without_a_segment_the_same_calls_go_over_the_socket(tmp_path: Path) -> None:

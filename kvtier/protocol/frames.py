@@ -10,7 +10,8 @@ Frame = 16-byte header + body::
     off size  field
       0   2   magic b"KW"
       2   1   type (HELLO, WELCOME, ERROR, GET, CHUNK, MISS, PUT, PUT_REPLY, LOOKUP, LOOKUP_REPLY, SHM_*)
-      3   1   flags (MORE = 1: another PUT of the same batch follows; PARENT = 2; SHM = 4)
+      3   1   flags (MORE = 1: another PUT of the same batch follows; PARENT = 2; SHM = 4;
+                     ARENA = 8, with SHM on a CHUNK)
       4   4   count (u32: meaning per type, below)
       8   8   body length (u64)
 
@@ -34,6 +35,11 @@ it and answers SHM_MAPPED (count = 1, or 0 when it could not); no segment ever h
 Then a chunk may travel as a reference: a CHUNK or PUT with flag SHM carries ``offset ‖
 length`` (u64 each) in place of the chunk bytes. Each request uses the segment from offset 0
 (one request at a time per connection); a chunk that does not fit goes inline.
+Where SHM_READY's JSON also names ``arena`` (a size), a second descriptor comes with the
+segment's: the tenant's RAM arena, read-only. A client that mapped it too answers SHM_MAPPED
+with count = 3 (MAPPED_SEGMENT | MAPPED_ARENA); GET replies may then carry CHUNKs with flags
+SHM | ARENA, whose reference is into the arena: the server holds that slot (never reused)
+until the connection's next request arrives, so the client reads it until it sends one.
 
 Before HELLO a server accepts only HELLO-sized frames (:meth:`WireLimits.handshake`).
 
@@ -86,6 +92,7 @@ from kvtier.protocol.messages import (
     welcome_ops,
 )
 from kvtier.protocol.wire import (
+    ARENA,
     CHUNK,
     ERROR,
     GET,
@@ -96,6 +103,8 @@ from kvtier.protocol.wire import (
     LOOKUP,
     LOOKUP_REPLY,
     MAGIC,
+    MAPPED_ARENA,
+    MAPPED_SEGMENT,
     MISS,
     MORE,
     OP_LOOKUP,
@@ -118,7 +127,7 @@ from kvtier.protocol.wire import (
 )
 
 __all__ = [
-    "CHUNK", "ERROR", "GET", "HEADER", "HEADER_SIZE", "HELLO", "HELLO_MAX", "LOOKUP", "LOOKUP_REPLY", "MAGIC",
+    "ARENA", "MAPPED_ARENA", "MAPPED_SEGMENT", "CHUNK", "ERROR", "GET", "HEADER", "HEADER_SIZE", "HELLO", "HELLO_MAX", "LOOKUP", "LOOKUP_REPLY", "MAGIC",
     "MISS", "MORE", "OP_LOOKUP", "PARENT", "PUT", "PUT_REPLY", "SHM", "SHM_MAPPED", "SHM_OPEN", "SHM_READY",
     "TYPE_NAMES", "VERSION", "WELCOME", "BodyTarget", "Buffers", "Frame", "FrameHeader", "FrameReader",
     "LookupKeys", "ProtocolError", "PutItem", "ShmOffer", "ShmRef", "WireLimits", "encode_chunk",

@@ -13,12 +13,15 @@ from kvtier.keys import KEY_BYTES
 from kvtier.protocol.wire import (
     _REF,
     _SMALL,
+    ARENA,
     CHUNK,
     ERROR,
     GET,
     HELLO,
     LOOKUP,
     LOOKUP_REPLY,
+    MAPPED_ARENA,
+    MAPPED_SEGMENT,
     MISS,
     MORE,
     PARENT,
@@ -77,9 +80,10 @@ def encode_chunk(index: int, chunk: bytes | bytearray | memoryview) -> Buffers:
     return [encode_header(CHUNK, 0, index, len(chunk)), chunk]
 
 
-def encode_chunk_ref(index: int, offset: int, length: int) -> Buffers:
-    """Chunk ``index`` lies at ``offset`` in the connection's shared segment."""
-    return [encode_header(CHUNK, SHM, index, _REF.size) + _REF.pack(offset, length)]
+def encode_chunk_ref(index: int, offset: int, length: int, arena: bool = False) -> Buffers:
+    """Chunk ``index`` lies at ``offset`` in the connection's shared segment, or with ``arena``
+    in the tenant's arena the client mapped read-only."""
+    return [encode_header(CHUNK, SHM | ARENA if arena else SHM, index, _REF.size) + _REF.pack(offset, length)]
 
 
 def encode_shm_open() -> Buffers:
@@ -87,12 +91,17 @@ def encode_shm_open() -> Buffers:
 
 
 def encode_shm_ready(offer: ShmOffer) -> Buffers:
-    body = json.dumps({"socket": offer.socket, "ticket": offer.ticket, "size": offer.size}).encode()
+    info: dict[str, Any] = {"socket": offer.socket, "ticket": offer.ticket, "size": offer.size}
+    if offer.arena_size:
+        info["arena"] = offer.arena_size
+    body = json.dumps(info).encode()
     return [encode_header(SHM_READY, 0, 0, len(body)), body]
 
 
-def encode_shm_mapped(ok: bool) -> Buffers:
-    return [encode_header(SHM_MAPPED, 0, 1 if ok else 0, 0)]
+def encode_shm_mapped(segment: bool, arena: bool = False) -> Buffers:
+    """What the client mapped: the segment, and the arena (only with the segment)."""
+    count = (MAPPED_SEGMENT | (MAPPED_ARENA if arena else 0)) if segment else 0
+    return [encode_header(SHM_MAPPED, 0, count, 0)]
 
 
 def encode_miss(index: int, reason: str) -> Buffers:
@@ -198,11 +207,12 @@ def parse_lookup_reply(frame: Frame, asked: int) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class ShmRef:
-    """``length`` bytes at ``offset`` of the connection's shared segment (unchecked: the
-    receiver checks the range against the segment it mapped)."""
+    """``length`` bytes at ``offset`` of the connection's shared segment, or with ``arena`` of
+    the tenant's arena (unchecked: the receiver checks the range against what it mapped)."""
 
     offset: int
     length: int
+    arena: bool = False
 
     def within(self, size: int) -> bool:
         return self.offset + self.length <= size
@@ -217,14 +227,17 @@ class PutItem:
     more: bool
 
 
-def parse_ref(body: memoryview, what: str) -> ShmRef:
+def parse_ref(body: memoryview, what: str, arena: bool = False) -> ShmRef:
     if body.nbytes != _REF.size:
         raise ProtocolError(f"{what} shared-memory reference of {body.nbytes} bytes, expected {_REF.size}")
-    return ShmRef(*_REF.unpack(body))
+    offset, length = _REF.unpack(body)
+    return ShmRef(offset, length, arena)
 
 
 def parse_put(frame: Frame) -> PutItem:
     expect_type(frame, PUT)
+    if frame.header.flags & ARENA:
+        raise ProtocolError("PUT with the ARENA flag (only a CHUNK may reference the arena)")
     head = 2 * KEY_BYTES if frame.header.flags & PARENT else KEY_BYTES
     if frame.body.nbytes < head:
         raise ProtocolError(f"PUT body of {frame.body.nbytes} bytes has no room for its keys")
@@ -241,11 +254,13 @@ def parse_put(frame: Frame) -> PutItem:
 
 @dataclass(frozen=True)
 class ShmOffer:
-    """SHM_READY: where to fetch the segment's descriptor, with which ticket, and its size."""
+    """SHM_READY: where to fetch the segment's descriptor, with which ticket, and its size;
+    ``arena_size`` > 0: the tenant's arena comes too (a second, read-only descriptor)."""
 
     socket: str  # abstract Unix socket name, without the leading NUL
     ticket: str
     size: int
+    arena_size: int = 0
 
 
 def parse_shm_ready(frame: Frame) -> ShmOffer:
@@ -255,7 +270,10 @@ def parse_shm_ready(frame: Frame) -> ShmOffer:
     if (not isinstance(sock, str) or not sock or not isinstance(ticket, str) or not ticket
             or not isinstance(size, int) or isinstance(size, bool) or size <= 0):
         raise ProtocolError("SHM_READY needs a socket, a ticket and a positive size")
-    return ShmOffer(sock, ticket, size)
+    arena = info.get("arena", 0)
+    if not isinstance(arena, int) or isinstance(arena, bool) or arena < 0:
+        raise ProtocolError(f"SHM_READY arena size must be a non-negative integer, got {arena!r}")
+    return ShmOffer(sock, ticket, size, arena)
 
 
 def parse_put_reply(frame: Frame, expected: int) -> list[bool]:

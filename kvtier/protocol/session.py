@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.protocol.frames import (
+    ARENA,
     CHUNK,
     ERROR,
     GET,
@@ -39,7 +40,8 @@ from kvtier.protocol.frames import (
 
 @dataclass(frozen=True)
 class ShmControl:
-    """SHM_OPEN (``ok`` unused) or SHM_MAPPED (``ok``: the client mapped the segment)."""
+    """SHM_OPEN (``ok`` unused) or SHM_MAPPED (``ok``: what the client mapped, the
+    ``MAPPED_*`` bits; 0: nothing)."""
 
     type: int
     ok: int
@@ -101,6 +103,8 @@ class GetReplyCollector:
         if frame.type == MISS:
             self.results.append(parse_text(frame))
         elif frame.header.flags & SHM:
-            self.results.append(parse_ref(frame.body, "CHUNK"))
+            self.results.append(parse_ref(frame.body, "CHUNK", bool(frame.header.flags & ARENA)))
+        elif frame.header.flags & ARENA:
+            raise ProtocolError("CHUNK with the ARENA flag but not SHM")
         else:
             self.results.append(frame.body.nbytes if self.into else frame.body_bytes())

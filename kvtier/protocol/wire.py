@@ -26,6 +26,10 @@ OP_LOOKUP = "lookup"
 MORE = 1
 PARENT = 2
 SHM = 4
+ARENA = 8  # with SHM, on a CHUNK only: the reference is into the tenant's arena, not the segment
+# SHM_MAPPED's count: what the client mapped (bits)
+MAPPED_SEGMENT = 1
+MAPPED_ARENA = 2
 _REF = struct.Struct("<QQ")
 REF_SIZE = _REF.size  # a shared-memory reference in a frame body: offset u64 || length u64
 SEGMENT_ALIGN = 64  # a chunk placed in a shared segment starts on a cache-line boundary
@@ -85,7 +89,7 @@ def parse_header(data: bytes | bytearray | memoryview, limits: WireLimits) -> Fr
         raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
     if ftype not in TYPE_NAMES:
         raise ProtocolError(f"unknown frame type {ftype}")
-    if flags & ~(MORE | PARENT | SHM):
+    if flags & ~(MORE | PARENT | SHM | ARENA):
         raise ProtocolError(f"unknown frame flags {flags:#x}")
     if length > limits.max_body(ftype):
         raise ProtocolError(f"{TYPE_NAMES[ftype]} body of {length} bytes exceeds {limits.max_body(ftype)}")

@@ -97,7 +97,7 @@ class KVTierServer:
         loop = asyncio.get_running_loop()
         self.storage = await loop.run_in_executor(self.executor, lambda: Storage(
             self.auth.tenants.values(), cfg.cpu, cfg.disk, cfg.default_quota_bytes,
-            store_factory=store_factory(cfg)))
+            store_factory=store_factory(cfg), shareable_ram=cfg.arena_reads and cfg.shm_bytes > 0))
         self.metrics = ServerMetrics(self.storage, label_values=cfg.metrics_label_values)
         self.metrics.registry.register(LowerCollector(self.storage, self.metrics.tenant_label))
         self.metrics.registry.register(EngineUsageCollector(self.usage))
@@ -118,7 +118,7 @@ class KVTierServer:
             self.data = DataPlane(self.storage, self.auth, limits, self.metrics, tls_ctx,
                                   cfg.max_data_connections, cfg.shm_bytes,
                                   cfg.max_unauthenticated_connections, cfg.handshake_timeout_s,
-                                  cfg.max_data_connections_per_tenant)
+                                  cfg.max_data_connections_per_tenant, cfg.arena_reads)
             self.ports["data"] = self.data.start(cfg.host, cfg.data_port)
             endpoints.append(Endpoint("socket", self.ports["data"], tls_ctx is not None))
             if self.data.shm_bytes:  # same data port: SHM_OPEN upgrades a connection

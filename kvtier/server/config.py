@@ -86,6 +86,10 @@ class ServerConfig:
     # Shared-memory segment per data-path connection of a same-host client (0 = no shm path).
     # Reserved in /dev/shm (RAM) for the connection's life; chunks beyond it travel inline.
     shm_bytes: int = field(default=32 * MiB, metadata=value_range(0, 4 * GiB, size=True))
+    # GET replies on shared memory name the chunk's place in the tenant's RAM arena, which the
+    # client maps read-only, instead of copying it into the segment: one copy per chunk, not two
+    # (kvtier.server.arena_refs). Arenas are then memfds; not with cpu.huge_pages.
+    arena_reads: bool = True
     # SIGTERM: seconds in-flight RPCs get to finish before they are cancelled.
     grace_s: float = field(default=10.0, metadata=value_range(0, 3600))
     # Written (JSON: addresses and ports) once every listener is bound; for orchestration.

@@ -1,6 +1,8 @@
 """A data-path GET's reply: a CHUNK or MISS frame per key, in key order, from a tenant's store.
 
-Where the bytes go: RAM hits are leased (:meth:`TenantStore.leased_ram`) ``lease_keys`` at a
+Where the bytes go: where the client mapped its tenant's arena (kvtier.server.arena_refs), RAM
+hits are held and only a reference into the arena is sent (the client's copy is the only one);
+otherwise RAM hits are leased (:meth:`TenantStore.leased_ram`) ``lease_keys`` at a
 time and a run of them goes out in one scatter/gather ``sendmsg`` straight from the arena (no
 copy; the slots are not reused until the send returns, at most the socket's idle timeout, so a
 connection keeps at most ``SEND_BATCH_BYTES`` of RAM from reuse); with a shared segment each
@@ -20,6 +22,7 @@ from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import Buffers, encode_chunk, encode_chunk_ref, encode_miss
 from kvtier.protocol.socket_io import send_all
 from kvtier.protocol.wire import placed_bytes
+from kvtier.server.arena_refs import ArenaRefs
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.storage import TenantStore
 from kvtier.tiers.base import Miss
@@ -39,21 +42,24 @@ class GetReplier:
         self._seconds = metrics.seconds.labels("data.Get")
         self._out_socket = metrics.bytes.labels("out", "socket")
         self._out_shm = metrics.bytes.labels("out", "shm")
+        self._out_arena = metrics.bytes.labels("out", "arena")
 
     def send(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], scratch: memoryview,
-             shm: memoryview | None) -> None:
+             shm: memoryview | None, refs: ArenaRefs | None = None) -> None:
         """Answer one GET: a CHUNK or MISS frame per key, in key order, ``lease_keys`` keys at
-        a time (:meth:`_send_group` says where the bytes come from and go)."""
+        a time (:meth:`_send_group` says where the bytes come from and go). ``refs``: the
+        connection's arena holds, where the client mapped the arena."""
         start = time.perf_counter()
         offset = 0
         for group in range(0, len(keys), self.lease_keys):
-            offset = self._send_group(conn, store, keys, group, scratch, shm, offset)
+            offset = self._send_group(conn, store, keys, group, scratch, shm, offset, refs)
         self._ok.inc()
         self._seconds.observe(time.perf_counter() - start)
 
     def _send_group(self, conn: socket.socket, store: TenantStore, keys: Sequence[bytes], base: int,
-                    scratch: memoryview, shm: memoryview | None, offset: int) -> int:
-        """Keys ``base`` .. ``base + lease_keys`` of a GET. RAM hits are leased together (one
+                    scratch: memoryview, shm: memoryview | None, offset: int, refs: ArenaRefs | None) -> int:
+        """Keys ``base`` .. ``base + lease_keys`` of a GET. With ``refs``, RAM hits are held and
+        only their place in the arena is sent. Other RAM hits are leased together (one
         lock hold; the slots are not reused until their bytes are sent, at most the socket's
         idle timeout) and a run of them goes out in one ``sendmsg`` straight from the arena
         (no copy); with a shared segment each chunk is copied from the tier into the segment
@@ -61,11 +67,19 @@ class GetReplier:
         connection's ``scratch`` buffer (no allocation) and sent at once, so the client takes
         chunk i while chunk i+1 is read. Returns the segment offset after this group."""
         group = keys[base : base + self.lease_keys]
-        sent = shared = 0
+        sent = shared = referenced = 0
         parts: Buffers = []
-        with store.leased_ram(group) as views:
-            for j, (key, view) in enumerate(zip(group, views)):
+        held = refs.hold(group) if refs is not None else [None] * len(group)
+        rest = [key for key, place in zip(group, held) if place is None]
+        with store.leased_ram(rest) as rest_views:
+            views = iter(rest_views)
+            for j, (key, place) in enumerate(zip(group, held)):
                 i = base + j
+                if place is not None:  # the client copies it from the arena it mapped
+                    parts += encode_chunk_ref(i, place[0], place[1], arena=True)
+                    referenced += place[1]
+                    continue
+                view = next(views)
                 if shm is not None and offset < shm.nbytes:
                     if parts:  # frames go out in key order
                         send_all(conn, parts)
@@ -89,6 +103,8 @@ class GetReplier:
             self._out_socket.inc(sent)
         if shared:
             self._out_shm.inc(shared)
+        if referenced:
+            self._out_arena.inc(referenced)
         return offset
 
     @staticmethod

@@ -55,6 +55,8 @@ import grpc
 
 from kvtier.protocol.accept import Acceptor
 from kvtier.protocol.frames import (
+    MAPPED_ARENA,
+    MAPPED_SEGMENT,
     OP_LOOKUP,
     SHM_OPEN,
     Frame,
@@ -76,6 +78,7 @@ from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
 from kvtier.server.admission import Admission, Conn
+from kvtier.server.arena_refs import ArenaRefs, reader_fd
 from kvtier.server.auth import Authenticator, AuthError
 from kvtier.server.data_get import GetReplier
 from kvtier.server.metrics import ServerMetrics
@@ -102,7 +105,8 @@ class _Batch:
 class DataPlane:
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
                  tls: ssl.SSLContext | None, max_connections: int, shm_bytes: int = 0,
-                 max_unauthenticated: int = 32, handshake_s: float = 5.0, max_per_tenant: int = 0) -> None:
+                 max_unauthenticated: int = 32, handshake_s: float = 5.0, max_per_tenant: int = 0,
+                 arena_reads: bool = True) -> None:
         self.storage = storage
         self.auth = auth
         self.limits = limits
@@ -115,6 +119,7 @@ class DataPlane:
         self._bytes_in = {path: metrics.bytes.labels("in", path) for path in ("socket", "shm")}
         self._put_ok = metrics.requests.labels("data.Put", "OK")
         self.shm_bytes = shm_bytes if shm_segment.AVAILABLE else 0
+        self.arena_reads = arena_reads
         self.admission = Admission(max_connections, max_unauthenticated, handshake_s, max_per_tenant)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -226,11 +231,14 @@ class DataPlane:
         runs = put_run.PutRuns(sock, store, self.limits.max_chunk_bytes) if waitall and put_run.available() else None
         batch = _Batch()
         pending: Frame | None = None  # a frame a PUT run stopped at, already whole
+        refs: ArenaRefs | None = None  # the arena slots the last GET reply named (held till now)
         try:
             while not self._draining:
                 conn.idle = not batch.flags
                 if runs is not None and pending is None and reader.body_type is None and batch.error is None:
                     ended, pending = runs.receive(session, reader, partial(self._put_run_item, store, batch), seg.view)
+                    if refs is not None:  # the client sent its next request: done with them
+                        refs.release()
                     if ended:
                         conn.idle = False
                         self._reply_put(sock, store, batch)
@@ -239,12 +247,16 @@ class DataPlane:
                 frame = pending if pending is not None else read_frame(sock, reader, waitall)
                 pending = None
                 conn.idle = False
+                if refs is not None:
+                    refs.release()
                 request = session.accept(frame)
                 if isinstance(request, ShmControl):
-                    self._shm_control(sock, seg, request)
+                    self._shm_control(sock, store, seg, request)
                     continue
                 if isinstance(request, list):
-                    self.replier.send(sock, store, request, scratch, seg.view)
+                    if refs is None and seg.arena_mapped:
+                        refs = ArenaRefs(store, self.shm_bytes)
+                    self.replier.send(sock, store, request, scratch, seg.view, refs)
                     continue
                 if isinstance(request, LookupKeys):
                     self._lookup(sock, store, request.keys)
@@ -256,6 +268,8 @@ class DataPlane:
                     batch = _Batch()
                 direct.refusing = batch.error is not None  # the rest of a refused batch is drained
         finally:
+            if refs is not None:
+                refs.release()
             direct.abort()  # a body cut off (or refused by the session) is never published
             self._undo(store, batch)  # a batch that never got its reply leaves nothing behind
             seg.close()
@@ -275,26 +289,30 @@ class DataPlane:
         set_kernel_timeouts(sock, IDLE_TIMEOUT_S)
         return True
 
-    def _shm_control(self, sock: socket.socket, seg: shm_segment.Segment, request: ShmControl) -> None:
+    def _shm_control(self, sock: socket.socket, store: TenantStore, seg: shm_segment.Segment,
+                     request: ShmControl) -> None:
         if request.type == SHM_OPEN:
             if not self.shm_bytes or seg.mapping is not None:
                 send_all(sock, encode_error(grpc.StatusCode.FAILED_PRECONDITION.value[0],
                                             "shared memory is off on this server" if not self.shm_bytes
                                             else "this connection has its segment already"))
                 return
+            arena_fd, arena_size = reader_fd(store) if self.arena_reads else (-1, 0)
             try:
-                seg.create(self.shm_bytes)
+                seg.create(self.shm_bytes, arena_fd)
             except OSError as exc:
                 log.warning("data path: no shared segment (%s); this connection stays on the socket", exc)
                 send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"no shared segment: {exc}"))
                 return
-            send_all(sock, encode_shm_ready(ShmOffer(seg.address, seg.ticket, self.shm_bytes)))
+            send_all(sock, encode_shm_ready(ShmOffer(seg.address, seg.ticket, self.shm_bytes, arena_size)))
+            seg.arena_offered = arena_size > 0
             seg.hand_off(sock)
             return
         if not seg.pending:
             raise ProtocolError("SHM_MAPPED without a pending segment")
-        if request.ok:
+        if request.ok & MAPPED_SEGMENT:
             seg.view = memoryview(seg.mapping)  # type: ignore[arg-type]  # pending: mapped
+            seg.arena_mapped = seg.arena_offered and bool(request.ok & MAPPED_ARENA)
         else:
             seg.close()
 

@@ -19,6 +19,10 @@ zeros and refills with fresh pages, never a fault. Processes that can ``ptrace``
 or the client (same uid without Yama restrictions, root) can read their memory anyway, this
 segment included: the shm path protects tenants from each other, not from the host.
 
+The tenant's arena (kvtier.server.arena_refs) may travel in the same hand-off as a second
+descriptor: a read-only one (reopened through /proc with ``O_RDONLY``), of a memfd sealed the
+same way, so the client can map it for reading only and never change its size.
+
 Threads: a :class:`Segment` belongs to its connection's thread.
 """
 
@@ -51,15 +55,20 @@ class Segment:
         self.listener: socket.socket | None = None
         self.address = ""
         self.ticket = ""
+        self.arena_fd = -1  # the tenant arena's read-only descriptor, handed off with ours
+        self.arena_offered = False  # arena_fd went with the offer
+        self.arena_mapped = False  # ... and the client said it mapped it
 
     @property
     def pending(self) -> bool:
         """Created and offered, the client's SHM_MAPPED not yet received."""
         return self.mapping is not None and self.view is None
 
-    def create(self, size: int) -> None:
-        """Reserve and seal ``size`` bytes; listen for the hand-off. Raises OSError (no memory,
-        no memfd): the connection then stays on the socket."""
+    def create(self, size: int, arena_fd: int = -1) -> None:
+        """Reserve and seal ``size`` bytes; listen for the hand-off, which also gives the
+        client ``arena_fd`` (this segment owns it from now on and closes it) where it is one.
+        Raises OSError (no memory, no memfd): the connection then stays on the socket."""
+        self.arena_fd = arena_fd
         try:
             self.fd = os.memfd_create("kvtier-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             # Every page now: a fault later (no memory) must fail here, not SIGBUS a copy.
@@ -95,7 +104,8 @@ class Segment:
                     peer.settimeout(max(0.01, min(TICKET_WAIT_S, deadline - time.monotonic())))
                     try:
                         if hmac.compare_digest(_recv_exact(peer, TICKET_CHARS), self.ticket.encode()):
-                            socket.send_fds(peer, [b"\x01"], [self.fd])
+                            fds = [self.fd] if self.arena_fd < 0 else [self.fd, self.arena_fd]
+                            socket.send_fds(peer, [b"\x01"], fds)
                             return True
                     except OSError:  # that peer stalled or hung up: wait for the next
                         continue
@@ -109,15 +119,17 @@ class Segment:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in (self.fd, self.arena_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.arena_fd = -1
 
     def close(self) -> bool:
         """Unmap the segment; False when a view of it is still alive (kept by an exception's
         frames, say): ``mapping`` stays set so the owner can collect and call again."""
         self._close_handoff()
         self.view = None
+        self.arena_offered = self.arena_mapped = False
         if self.mapping is not None:
             try:
                 self.mapping.close()

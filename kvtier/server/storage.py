@@ -309,8 +309,9 @@ class Storage:
 
     def __init__(self, tenants: Iterable[Tenant], cpu: CpuTierConfig, disk: DiskTierConfig,
                  default_quota_bytes: int = 0,
-                 store_factory: Callable[..., TenantStore] | None = None) -> None:
+                 store_factory: Callable[..., TenantStore] | None = None, shareable_ram: bool = False) -> None:
         # store_factory(tenant, ram, disk): kvtier.server.lower's stores over a lower tier.
+        # shareable_ram: RAM arenas clients can map read-only (kvtier.server.arena_refs).
         make_store = store_factory or TenantStore
         tenants = list(tenants)
         if not cpu.enabled and not disk.enabled:
@@ -333,7 +334,7 @@ class Storage:
                                     tenant.name, cap, cpu.slot_bytes, cap)
                     ram = CpuTier(dataclasses.replace(
                         cpu, capacity_bytes=cap, slot_bytes=min(cpu.slot_bytes, cap), pin_memory="never"),
-                        name="cpu", lazy=True)
+                        name="cpu", lazy=True, shareable=shareable_ram)
                 if disk.enabled:
                     cap = _cap(disk.capacity_bytes, quota)
                     disk_shares[tenant.name] = _share(disk.capacity_bytes, n, quota)

@@ -1,4 +1,5 @@
-"""Page control of a lazily backed arena (a private anonymous mapping, ``CpuTier(lazy=True)``):
+"""Page control of a lazily backed arena (a private anonymous mapping, or a memfd's shared one,
+``CpuTier(lazy=True)``):
 give a range's pages back to the OS, or fault them in before a write needs them. One
 ``madvise`` call each; ranges are page-aligned.
 
@@ -28,13 +29,16 @@ class PopulateUnsupported(OSError):
     5.14), or the range is not page-aligned (never, from the callers here)."""
 
 
-def remove_pages(addr: int, nbytes: int) -> None:
+def remove_pages(addr: int, nbytes: int, shared: bool = False) -> None:
     """Free the pages of ``[addr, addr + nbytes)``: ``MADV_DONTNEED`` on a private anonymous
-    mapping frees them (the next write faults in a zeroed page). (On a shared mapping it would
-    only unmap them and MADV_REMOVE would be needed.) Raises OSError when the kernel refuses."""
-    if _libc.madvise(addr, nbytes, mmap.MADV_DONTNEED) != 0:
+    mapping frees them (the next write faults in a zeroed page); on a memfd's ``shared``
+    mapping it would only unmap them, so ``MADV_REMOVE`` punches them out of the file (gone
+    from every process's mapping; a read there then sees zeros). Raises OSError when the
+    kernel refuses."""
+    advice, name = (mmap.MADV_REMOVE, "MADV_REMOVE") if shared else (mmap.MADV_DONTNEED, "MADV_DONTNEED")
+    if _libc.madvise(addr, nbytes, advice) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) of {nbytes} bytes refused (errno {err})")
+        raise OSError(err, f"madvise({name}) of {nbytes} bytes refused (errno {err})")
 
 
 def populate_pages(addr: int, nbytes: int) -> None:

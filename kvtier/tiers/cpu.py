@@ -33,6 +33,9 @@ Lazy arena (``lazy=True``, kvtier-server)
     asks for transparent huge pages (``MADV_HUGEPAGE``): a fault then brings in 2 MiB at once,
     and a freed slot frees whole huge pages; resident memory is rounded to 2 MiB per chunk
     (why it is not the default: small chunks in large slots would each keep 2 MiB resident).
+    ``shareable`` (not with huge pages) backs the arena with a sealed memfd instead, freed by
+    ``MADV_REMOVE``, so that kvtier-server can hand its clients a read-only mapping of it
+    (``reader_fd``; GET replies then name slots the client copies from: kvtier.server.arena_refs).
     Never pinned (pin_memory="never"). The library's default (``lazy=False``) keeps the
     pre-touched arena.
 Failure
@@ -48,7 +51,6 @@ from __future__ import annotations
 import logging
 import mmap
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -64,15 +66,15 @@ log = logging.getLogger(__name__)
 
 
 def _allocate_arena(nbytes: int, pin_memory: str, slot_bytes: int, private: bool = False,
-                    huge_pages: bool = False) -> tuple[Any, memoryview, bool]:
+                    huge_pages: bool = False, memfd: bool = False) -> tuple[HostRegion, memoryview, bool]:
     """(owner, uint8 view, pinned): an anonymous mapping of exactly ``nbytes`` (page-aligned, so
     slots of page-multiple size can feed O_DIRECT writes without a bounce copy), registered with
     CUDA in slot-aligned pieces when CUDA is present (``kvtier.pinned``). Not torch's pinned
     allocator: it rounds up to a power of two (48 GiB would lock 64)."""
     # Huge pages only where every slot is whole huge pages: freeing a slot then frees whole
     # huge pages, and a smaller slot never keeps a 2 MiB page resident for a few KiB.
-    region = HostRegion(nbytes, pin_memory, align=slot_bytes, private=private,
-                        huge_pages=huge_pages and slot_bytes % HUGE_PAGE == 0)
+    region = HostRegion(nbytes, pin_memory, align=slot_bytes, private=private and not memfd,
+                        huge_pages=huge_pages and slot_bytes % HUGE_PAGE == 0, memfd=memfd)
     if not region.pinned and pin_memory != "never":
         log.debug("cpu tier: arena of %d bytes is pageable memory", nbytes)
     return region, region.view, region.pinned
@@ -82,7 +84,8 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
     """See the module docstring for the threading and ownership rules; ``lazy`` selects the
     lazily backed arena (see "Lazy arena" there)."""
 
-    def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu", *, lazy: bool = False) -> None:
+    def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu", *, lazy: bool = False,
+                 shareable: bool = False) -> None:
         super().__init__()
         config = config or CpuTierConfig()
         if config.slot_bytes < 1 or config.capacity_bytes < config.slot_bytes:
@@ -101,9 +104,13 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         if config.huge_pages and lazy and self.slot_bytes % HUGE_PAGE:
             log.warning("cpu tier %s: huge_pages ignored: slot_bytes %d is not a multiple of 2 MiB "
                         "(%d would be)", name, self.slot_bytes, -(-self.slot_bytes // HUGE_PAGE) * HUGE_PAGE)
+        if shareable and (not lazy or config.huge_pages):
+            log.info("cpu tier %s: arena not shareable (%s)", name,
+                     "huge pages are private memory" if lazy else "only a lazy arena is")
+        self.shared = shareable and lazy and not config.huge_pages
         self._owner, self._arena, self.pinned = _allocate_arena(self.capacity_bytes, config.pin_memory,
                                                                     self.slot_bytes, private=lazy,
-                                                                    huge_pages=config.huge_pages)
+                                                                    huge_pages=config.huge_pages, memfd=self.shared)
         # Pre-touch: one write per page so the first put does not take page faults.
         if not lazy:
             np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
@@ -111,7 +118,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         self.lazy = lazy
         self._base = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data  # page-aligned (mmap)
         if lazy:  # fail here, not at the first eviction, should the kernel refuse the madvise
-            remove_pages(self._base, mmap.PAGESIZE)
+            remove_pages(self._base, mmap.PAGESIZE, self.shared)
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
         # Free slots that kept their pages for a put about to come (taken before ``_free``).
@@ -145,7 +152,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         if self.lazy:
             start, end = self._whole_pages(slot)
             if end > start:
-                remove_pages(self._base + start, end - start)
+                remove_pages(self._base + start, end - start, self.shared)
 
     def _unmap(self, key: bytes, reuse: bool = False) -> bool:
         old = self._map.pop(key, None)

@@ -1,6 +1,8 @@
 """Zero-copy access to a :class:`~kvtier.tiers.cpu.CpuTier`'s arena, for callers that would
 otherwise copy a chunk only to have it copied again: leases (read-only views of stored chunks,
-which kvtier-server sends straight to a socket) and reservations (a slot written in place, then
+which kvtier-server sends straight to a socket), holds (a lease without a ``with`` block: the
+slot a reader in another process copies from, through a shareable arena's ``reader_fd``) and
+reservations (a slot written in place, then
 published: the server receives a PUT body into it; SGLang's backend frames a page into it).
 
 The slot bookkeeping these build on (``_acquire``/``_leave``, ``_reserve``/``_commit``, the
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.base import Miss, check_keys
+
+if TYPE_CHECKING:
+    from kvtier.pinned import HostRegion
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class ArenaAccess:
     if TYPE_CHECKING:  # provided by CpuTier
         _lock: threading.RLock
         _arena: memoryview
+        _owner: HostRegion
+        shared: bool
         slot_bytes: int
         _writing: set[int]
         _warm: list[int]
@@ -88,6 +95,35 @@ class ArenaAccess:
                 for hit in hits:
                     if not isinstance(hit, Miss):
                         self._leave(hit[0])
+
+    def hold(self, keys: Sequence[bytes]) -> list[tuple[int, int, int] | Miss]:
+        """Per key ``(slot, offset, length)``: where its chunk lies in the arena, the slot held
+        (never reused, whatever happens to the key) until :meth:`release` gives it back; or a
+        :class:`Miss`. For a reader that copies from the arena outside this call (another
+        process, through :meth:`reader_fd`); every hold must be released."""
+        check_keys(keys)
+        out: list[tuple[int, int, int] | Miss] = []
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                hit = self._acquire(key)
+                out.append(hit if isinstance(hit, Miss) else (hit[0], hit[0] * self.slot_bytes, hit[1]))
+        return out
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Give back slots :meth:`hold` returned (each once per hold)."""
+        with self._lock:
+            for slot in slots:
+                self._leave(slot)
+
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of a shareable arena (``CpuTier(shareable=True)``; the
+        caller closes it): mapped by another process, slot ``s`` lies at ``s * slot_bytes``.
+        Raises ValueError when the arena is not shareable, OSError when no descriptor can be
+        made."""
+        if not self.shared:
+            raise ValueError("cpu tier: this arena is not shareable")
+        return self._owner.reader_fd()
 
     def put_in_place(self, key: bytes, length: int, fill: Callable[[memoryview], None],
                      depth: int = 0, parent: bytes = b"") -> bool:

@@ -24,6 +24,7 @@ from typing import cast
 
 from kvtier.memcopy import copy_into
 from kvtier.protocol.frames import (
+    ARENA,
     CHUNK,
     ERROR,
     HEADER,
@@ -65,7 +66,7 @@ def _load_c_recv_chunks() -> Callable[..., tuple[int, int, float]] | None:
 
 _REARM_S = 0.01
 _REPLIES = (CHUNK, MISS)
-_FLAGS = MORE | PARENT | SHM
+_FLAGS = MORE | PARENT | SHM | ARENA
 _UNPACK = HEADER.unpack_from
 C_RECV_CHUNKS = _load_c_recv_chunks()
 # get_visit's consumer: (index, read-only view of chunk ``index``), the view valid for the call.
@@ -91,6 +92,8 @@ class DataConn:
         self.ops: frozenset[str] = frozenset()  # optional requests its server named in WELCOME
         self.shm: memoryview | None = None  # this connection's shared segment, once mapped
         self._shm_map: mmap.mmap | None = None
+        self.arena: memoryview | None = None  # the tenant's arena, read-only, where offered and mapped
+        self._arena_map: mmap.mmap | None = None
         self.reader = FrameReader(limits, self._target)
         self._head = memoryview(bytearray(HEADER_SIZE))  # read_reply's frame headers
         self._small = bytearray(0)  # read_reply's bodies that are not chunks (grows)
@@ -215,7 +218,7 @@ class DataConn:
                 results.append(self._text(body, ftype))
             elif flags & SHM:
                 body, have = self._body(length, more, deadline)
-                ref = parse_ref(body, "CHUNK")
+                ref = parse_ref(body, "CHUNK", bool(flags & ARENA))
                 if visit is not None:
                     visit(i, self.referenced(ref))
                     results.append(ref.length)
@@ -226,6 +229,8 @@ class DataConn:
                 except ValueError as exc:  # the caller's buffer is too small: drain first
                     value_error = exc
                     results.append("error")
+            elif flags & ARENA:
+                raise ProtocolError("CHUNK with the ARENA flag but not SHM")
             elif visit is not None:
                 visit(i, memoryview(self._recv_bytes(length, deadline)))
                 results.append(length)
@@ -330,13 +335,14 @@ class DataConn:
             self.sock.close()
         except OSError:
             pass
-        self.shm = None
-        if self._shm_map is not None:
-            try:
-                self._shm_map.close()
-            except BufferError:  # a caller still holds a view: the GC unmaps it later
-                pass
-            self._shm_map = None
+        self.shm = self.arena = None
+        for mapping in (self._shm_map, self._arena_map):
+            if mapping is not None:
+                try:
+                    mapping.close()
+                except BufferError:  # a caller still holds a view: the GC unmaps it later
+                    pass
+        self._shm_map = self._arena_map = None
 
     def open_shm(self, deadline: float) -> bool:
         """Ask for a shared segment and map it; False (socket only) when either side cannot."""
@@ -344,19 +350,23 @@ class DataConn:
         frame = self.read(deadline)
         if frame.type != SHM_READY:
             return False  # ERROR: the server has it off
-        mapping = map_offer(parse_shm_ready(frame), deadline)
-        send_all(self.sock, encode_shm_mapped(mapping is not None))
+        mapping, arena = map_offer(parse_shm_ready(frame), deadline)
+        send_all(self.sock, encode_shm_mapped(mapping is not None, arena is not None))
         if mapping is None:
             return False
         self._shm_map, self.shm = mapping, memoryview(mapping)
+        if arena is not None:
+            self._arena_map, self.arena = arena, memoryview(arena)
         return True
 
     def referenced(self, ref: ShmRef) -> memoryview:
-        """A read-only view of a referenced chunk in the segment, valid until this connection
-        serves its next request (the server never reuses a region within one reply)."""
-        if self.shm is None or not ref.within(self.shm.nbytes):
-            raise ProtocolError(f"reference {ref} outside the mapped segment")
-        return self.shm[ref.offset : ref.offset + ref.length].toreadonly()
+        """A read-only view of a referenced chunk in the segment or the arena, valid until
+        this connection serves its next request (the server never reuses a region within one
+        reply, and holds an arena slot it named until the next request arrives)."""
+        mapped, what = (self.arena, "arena") if ref.arena else (self.shm, "segment")
+        if mapped is None or not ref.within(mapped.nbytes):
+            raise ProtocolError(f"reference {ref} outside the mapped {what}")
+        return mapped[ref.offset : ref.offset + ref.length].toreadonly()
 
     def resolve(self, ref: ShmRef, target: memoryview | None) -> bytes | int:
         """Copy a referenced chunk out of the segment (before the connection is reused)."""

@@ -1,0 +1,210 @@
+"""Arena reads (kvtier.server.arena_refs): a same-host client maps its tenant's RAM arena
+read-only and GET replies name where each chunk lies, so the client's copy is the only one.
+
+What must hold, each checked against a real kvtier-server or a real memfd arena:
+- the bytes are right on every read path (get, get_into, get_visit), and the server's own
+  counters say they went out by reference (``path="arena"``), not through the segment;
+- a slot a reply named is held: the key overwritten, deleted and its slot wanted by a flood of
+  puts from another connection, the client still reads the old chunk until its next request
+  (the control, at the tier: the same churn without the hold rewrites that slot);
+- the client can neither write nor resize the arena (read-only descriptor, sealed size);
+- a tenant's mapping holds no byte another tenant stored;
+- a server with huge pages or ``arena_reads: false`` offers no arena and GETs use the segment.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import CpuTierConfig, GrpcTierConfig
+from kvtier.tiers.base import Entry, Miss
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.remote import GrpcTier
+from kvtier.tiers.remote.data_conn import DataConn
+from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
+
+ALICE, BOB = "a" * 40, "b" * 40
+CHUNK = 60_000  # payload bytes: chunks of ~60 KiB in 64 KiB slots
+
+
+def _out_bytes(server: ServerProc) -> dict[str, float]:
+    out = {}
+    for line in server.metrics().splitlines():
+        if line.startswith("kvtier_server_chunk_bytes_total{") and 'direction="out"' in line:
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('path="')[1].split('"')[0]] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module", name="server")
+def two_tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    work = tmp_path_factory.mktemp("arena")
+    (work / "tokens").write_text(f"{ALICE} alice\n{BOB} bob\n")
+    (work / "tokens").chmod(0o600)
+    s = start_server(work, "--tokens-file", str(work / "tokens"), "--cpu-bytes", "8MiB", "--slot-bytes", "64KiB",
+                     "--set", "shm_bytes=1MiB", "--set", "max_chunk_bytes=64KiB")
+    yield s
+    assert s.alive() and s.stop() == 0, s.log
+    assert "Traceback" not in s.log, s.log
+
+
+def _tier(server: ServerProc, token: str) -> GrpcTier:
+    return GrpcTier(GrpcTierConfig(enabled=True, nodes=(server.address,), token=token, data_path="shm"))
+
+
+def _conn(tier: GrpcTier) -> DataConn:
+    data = tier.nodes[0].data
+    assert data is not None
+    return data.connect(time.monotonic() + 10)
+
+
+def test_every_read_path_copies_straight_from_the_arena(server: ServerProc) -> None:
+    tier = _tier(server, ALICE)
+    try:
+        keys = make_keys(12, seed=1)
+        chunks = [make_chunk(k, CHUNK, seed=i) for i, k in enumerate(keys)]
+        before = _out_bytes(server)
+        assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 12
+        assert tier.get(keys) == chunks
+        outs = [memoryview(bytearray(64 << 10)) for _ in keys]
+        assert tier.get_into(keys, outs) == [len(c) for c in chunks]
+        assert [bytes(o[: len(c)]) for o, c in zip(outs, chunks)] == chunks
+        seen: dict[int, bytes] = {}
+        assert tier.get_visit(keys, lambda i, v: seen.__setitem__(i, bytes(v))) == [len(c) for c in chunks]
+        assert seen == dict(enumerate(chunks))
+        missing = make_keys(1, seed=2)
+        assert isinstance(tier.get(missing)[0], Miss)
+        after = _out_bytes(server)
+        grew = {p: after.get(p, 0) - before.get(p, 0) for p in after}
+        assert grew["arena"] == 3 * sum(map(len, chunks)), grew
+        assert grew.get("shm", 0) == 0 and grew.get("socket", 0) == 0, grew
+    finally:
+        tier.close()
+
+
+def test_a_named_slot_stays_intact_until_the_next_request(server: ServerProc) -> None:
+    reader, writer = _tier(server, ALICE), _tier(server, ALICE)
+    try:
+        key = make_keys(1, seed=3)[0]
+        old = make_chunk(key, CHUNK, seed=30)
+        assert reader.put([Entry(key, old)]) == [True]
+        churn = make_keys(200, seed=4)  # 200 x 64 KiB slots: 1.5x alice's RAM, every free slot taken
+        seen: list[bytes] = []
+
+        def visit(i: int, view: memoryview) -> None:
+            new = make_chunk(key, CHUNK, seed=31)
+            assert writer.put([Entry(key, new)]) == [True]  # overwritten ...
+            writer.delete([key])  # ... deleted ...
+            for j in range(0, len(churn), 20):  # ... and the RAM recycled many times over
+                writer.put([Entry(k, make_chunk(k, CHUNK, seed=j)) for k in churn[j : j + 20]])
+            seen.append(bytes(view))
+
+        assert reader.get_visit([key], visit) == [len(old)]
+        assert seen == [old]
+        assert isinstance(reader.get([key])[0], Miss)  # the hold ended with that request
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_the_hold_is_what_keeps_the_slot_the_control() -> None:
+    """The same churn at the tier: without a hold the slot that held the chunk is rewritten;
+    with one it is not, and it is reused once released."""
+    tier = CpuTier(CpuTierConfig(capacity_bytes=8 * 4096, slot_bytes=4096, pin_memory="never"),
+                   lazy=True, shareable=True)
+    arena = memoryview(tier._arena)
+    key, others = make_keys(1, seed=5)[0], make_keys(40, seed=6)
+    old = make_chunk(key, 3000, seed=50)
+
+    def churn() -> None:
+        tier.delete([key])
+        for j, k in enumerate(others):
+            tier.put([Entry(k, make_chunk(k, 3000, seed=j))])
+
+    for held in (False, True):
+        assert tier.put([Entry(key, old)]) == [True]
+        ((slot, offset, length),) = tier.hold([key])  # type: ignore[misc]
+        if not held:
+            tier.release([slot])
+        churn()
+        assert (bytes(arena[offset : offset + length]) == old) is held
+        if held:
+            tier.release([slot])
+            churn()
+            assert bytes(arena[offset : offset + length]) != old
+    assert tier.check() == []
+    tier.close()
+
+
+def test_the_client_can_neither_write_nor_resize_the_arena() -> None:
+    tier = CpuTier(CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=64 << 10, pin_memory="never"),
+                   lazy=True, shareable=True)
+    fd = tier.reader_fd()
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 1 << 20)  # shared + writable: refused for an O_RDONLY descriptor
+        with pytest.raises(OSError):
+            os.write(fd, b"x")
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 0)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        view = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
+        key = make_keys(1, seed=7)[0]
+        chunk = make_chunk(key, 5000, seed=70)
+        assert tier.put([Entry(key, chunk)]) == [True]
+        ((slot, offset, length),) = tier.hold([key])  # type: ignore[misc]
+        assert view[offset : offset + length] == chunk  # another mapping sees the stored bytes
+        tier.release([slot])
+        view.close()
+    finally:
+        os.close(fd)
+        tier.close()
+    with pytest.raises(ValueError, match="not shareable"):
+        CpuTier(CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=64 << 10, pin_memory="never"), lazy=True).reader_fd()
+
+
+def test_a_tenant_maps_only_its_own_arena(server: ServerProc) -> None:
+    alice, bob = _tier(server, ALICE), _tier(server, BOB)
+    try:
+        key = make_keys(1, seed=9)[0]
+        chunk = make_chunk(key, CHUNK, seed=90)  # random payload: its bytes occur nowhere else
+        assert alice.put([Entry(key, chunk)]) == [True]
+        mine, theirs = _conn(alice), _conn(bob)
+        try:
+            assert mine.arena is not None and theirs.arena is not None
+            probe = chunk[-4096:]
+            assert probe in bytes(mine.arena)  # the control: alice's own mapping has it
+            assert probe not in bytes(theirs.arena)
+        finally:
+            mine.close()
+            theirs.close()
+    finally:
+        alice.close()
+        bob.close()
+
+
+@pytest.mark.parametrize("setting", ["cpu.huge_pages=true", "arena_reads=false"])
+def test_without_a_shareable_arena_gets_use_the_segment(tmp_path: Path, setting: str) -> None:
+    s = start_server(tmp_path, "--cpu-bytes", "8MiB", "--slot-bytes", "2MiB", "--set", setting)
+    tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(s.address,), data_path="shm"))
+    try:
+        conn = _conn(tier)
+        assert conn.shm is not None and conn.arena is None
+        conn.close()
+        keys = make_keys(3, seed=10)
+        chunks = [make_chunk(k, 100_000, seed=i) for i, k in enumerate(keys)]
+        assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 3
+        assert tier.get(keys) == chunks
+        out = _out_bytes(s)
+        assert out["shm"] == sum(map(len, chunks)) and out.get("arena", 0) == 0, out
+    finally:
+        tier.close()
+        assert s.stop() == 0, s.log
