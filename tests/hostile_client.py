@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.protocol.frames import (
+    ARENA,
     CHUNK,
     PUT_REPLY,
     SHM,
@@ -105,6 +106,6 @@ def assert_shm_get(sock: socket.socket, reader: FrameReader, seg: mmap.mmap, key
     send_all(sock, encode_get(keys))
     for chunk in chunks:
         frame = read_frame(sock, reader)
-        assert frame.type == CHUNK and frame.header.flags & SHM
+        assert frame.type == CHUNK and frame.header.flags & SHM and not frame.header.flags & ARENA
         ref = parse_ref(frame.body, "CHUNK")
         assert seg[ref.offset : ref.offset + ref.length] == chunk

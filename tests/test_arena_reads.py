@@ -7,7 +7,9 @@ What must hold, each checked against a real kvtier-server or a real memfd arena:
 - a slot a reply named is held: the key overwritten, deleted and its slot wanted by a flood of
   puts from another connection, the client still reads the old chunk until its next request
   (the control, at the tier: the same churn without the hold rewrites that slot);
-- the client can neither write nor resize the arena (read-only descriptor, sealed size);
+- the client can neither write nor resize the arena (read-only descriptor, sealed size), at
+  the tier and as a hostile client takes the descriptor from the hand-off;
+- a client claiming in SHM_MAPPED an arena it was not offered still gets segment references;
 - a tenant's mapping holds no byte another tenant stored;
 - a server with huge pages or ``arena_reads: false`` offers no arena and GETs use the segment.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,13 +27,15 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import CpuTierConfig, GrpcTierConfig
+from kvtier.protocol.frames import PUT_REPLY, encode_put, encode_shm_mapped
+from kvtier.protocol.socket_io import read_frame, send_all
 from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.remote import GrpcTier
 from kvtier.tiers.remote.data_conn import DataConn
+from tests.hostile_client import ALICE, BOB, assert_shm_get, connect, offer_segment
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
-ALICE, BOB = "a" * 40, "b" * 40
 CHUNK = 60_000  # payload bytes: chunks of ~60 KiB in 64 KiB slots
 
 
@@ -207,4 +212,63 @@ def test_without_a_shareable_arena_gets_use_the_segment(tmp_path: Path, setting:
         assert out["shm"] == sum(map(len, chunks)) and out.get("arena", 0) == 0, out
     finally:
         tier.close()
+        assert s.stop() == 0, s.log
+
+
+def test_the_arena_descriptor_a_client_receives_is_read_only(server: ServerProc) -> None:
+    """Straight from the hand-off, as a hostile client would take it: the second descriptor
+    maps for reading only and cannot be resized."""
+    sock, reader = connect(server, ALICE)
+    with sock:
+        offer = offer_segment(sock, reader)
+        assert offer.arena_size > 0
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+            unix.settimeout(5)
+            unix.connect("\0" + offer.socket)
+            unix.sendall(offer.ticket.encode())
+            _, fds, _, _ = socket.recv_fds(unix, 1, 2)
+        assert len(fds) == 2
+        seg_fd, arena_fd = fds
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(arena_fd, offer.arena_size)
+            for size in (0, offer.arena_size * 2):
+                with pytest.raises(OSError):
+                    os.ftruncate(arena_fd, size)
+            with pytest.raises(OSError):
+                os.write(arena_fd, b"x")
+            mmap.mmap(arena_fd, offer.arena_size, prot=mmap.PROT_READ).close()
+        finally:
+            os.close(seg_fd)
+            os.close(arena_fd)
+        send_all(sock, encode_shm_mapped(False))
+    assert server.alive()
+
+
+def test_a_client_claiming_an_arena_it_was_not_offered_gets_segment_references(tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text(f"{ALICE} alice\n")
+    (tmp_path / "tokens").chmod(0o600)
+    s = start_server(tmp_path, "--tokens-file", str(tmp_path / "tokens"), "--set", "arena_reads=false")
+    try:
+        sock, reader = connect(s, ALICE)
+        with sock:
+            offer = offer_segment(sock, reader)
+            assert offer.arena_size == 0
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+                unix.settimeout(5)
+                unix.connect("\0" + offer.socket)
+                unix.sendall(offer.ticket.encode())
+                _, fds, _, _ = socket.recv_fds(unix, 1, 2)
+            assert len(fds) == 1
+            seg = mmap.mmap(fds[0], offer.size)
+            os.close(fds[0])
+            send_all(sock, encode_shm_mapped(True, arena=True))  # a lie: no arena was offered
+            key = make_keys(1, seed=11)[0]
+            chunk = make_chunk(key, 5000, seed=110)
+            send_all(sock, encode_put(key, chunk))
+            assert read_frame(sock, reader).type == PUT_REPLY
+            assert_shm_get(sock, reader, seg, [key], [chunk])  # segment references, never ARENA
+            seg.close()
+        assert s.alive()
+    finally:
         assert s.stop() == 0, s.log
