@@ -92,6 +92,11 @@ class HostRegion:
             raise ValueError("host region: a memfd region is shared, not private")
         self.nbytes = nbytes
         self.private = private
+        # Set before anything can raise: __del__ (close) runs on a half-built region too.
+        self._registered: list[int] = []
+        self._cudart: Any = None
+        self.pinned = False
+        self.fd = -1
         self.fd = _sealed_memfd(max(nbytes, 1)) if memfd else -1
         # A private region on huge pages starts on a huge-page boundary (mapped HUGE_PAGE bytes
         # longer), so slots of 2 MiB multiples are whole huge pages (freed whole by MADV_DONTNEED).
@@ -104,9 +109,6 @@ class HostRegion:
         offset = -_address(self.map) % HUGE_PAGE if self.huge else 0
         self.huge = self.huge and _advise_huge(self.map)
         self.view = memoryview(self.map)[offset : offset + nbytes]
-        self._registered: list[int] = []
-        self._cudart: Any = None
-        self.pinned = False
         if pin != "never" and nbytes > 0:
             self._register(pin, max(1, PIECE_BYTES // max(align, 1)) * max(align, 1))
 

@@ -272,3 +272,20 @@ def test_a_client_claiming_an_arena_it_was_not_offered_gets_segment_references(t
         assert s.alive()
     finally:
         assert s.stop() == 0, s.log
+
+
+def test_no_memfd_means_a_private_arena_not_a_failed_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that refuses memfd_create (a seccomp filter) still gets a working RAM tier."""
+    def refuse(*args: object) -> int:
+        raise PermissionError(1, "memfd_create blocked")
+
+    monkeypatch.setattr(os, "memfd_create", refuse)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=64 << 10, pin_memory="never"),
+                   lazy=True, shareable=True)
+    assert not tier.shared
+    key = make_keys(1, seed=12)[0]
+    chunk = make_chunk(key, 5000, seed=120)
+    assert tier.put([Entry(key, chunk)]) == [True] and tier.get([key]) == [chunk]
+    tier.delete([key])  # frees the slot's pages the private way (MADV_DONTNEED)
+    assert tier.check() == []
+    tier.close()
