@@ -289,3 +289,28 @@ def test_no_memfd_means_a_private_arena_not_a_failed_start(monkeypatch: pytest.M
     tier.delete([key])  # frees the slot's pages the private way (MADV_DONTNEED)
     assert tier.check() == []
     tier.close()
+
+
+def test_a_process_maps_each_arena_once(server: ServerProc) -> None:
+    """Connections of one process to the same tenant's arena share one mapping (page tables
+    are per mapping); another tenant's is its own; the last connection to go unmaps it."""
+    from kvtier.tiers.remote import shm_map
+
+    alice, bob = _tier(server, ALICE), _tier(server, BOB)
+    try:
+        a1, a2, b1 = _conn(alice), _conn(alice), _conn(bob)
+        assert a1._arena_map is not None and a1._arena_map is a2._arena_map
+        assert b1._arena_map is not None and b1._arena_map is not a1._arena_map
+        mapping = a1._arena_map
+        a1.close()
+        key = make_keys(1, seed=13)[0]
+        chunk = make_chunk(key, CHUNK, seed=130)
+        assert alice.put([Entry(key, chunk)]) == [True]
+        assert chunk[-4096:] in bytes(mapping)  # still mapped for a2 (and alice's pooled connection)
+        a2.close()
+        b1.close()
+    finally:
+        alice.close()
+        bob.close()
+    assert all(known is not mapping for known, _ in shm_map._arenas.values())
+    assert mapping.closed

@@ -49,7 +49,7 @@ from kvtier.protocol.frames import (
 )
 from kvtier.protocol.session import GetReplyCollector
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
-from kvtier.tiers.remote.shm_map import map_offer
+from kvtier.tiers.remote.shm_map import map_offer, release_arena
 
 __all__ = ["DataConn"]
 
@@ -336,12 +336,13 @@ class DataConn:
         except OSError:
             pass
         self.shm = self.arena = None
-        for mapping in (self._shm_map, self._arena_map):
-            if mapping is not None:
-                try:
-                    mapping.close()
-                except BufferError:  # a caller still holds a view: the GC unmaps it later
-                    pass
+        if self._shm_map is not None:
+            try:
+                self._shm_map.close()
+            except BufferError:  # a caller still holds a view: the GC unmaps it later
+                pass
+        if self._arena_map is not None:
+            release_arena(self._arena_map)  # shared by this process's connections to that arena
         self._shm_map = self._arena_map = None
 
     def open_shm(self, deadline: float) -> bool:

@@ -3,7 +3,12 @@ over the server's one-shot abstract Unix socket with the offer's ticket (SCM_RIG
 in /dev/shm ever exists), and mapped only if its size is sealed (F_SEAL_SHRINK) and at least
 what was offered: nothing can then shrink it under this process's mapping (a use would SIGBUS).
 Where the offer names an arena, its read-only descriptor comes second and is mapped read-only
-on the same condition (GET replies may then reference it: kvtier.server.arena_refs).
+on the same condition (GET replies may then reference it: kvtier.server.arena_refs). Every
+connection of this process to the same arena (the same memfd) shares one mapping: page tables
+are per mapping (a process's connections would each grow their own, ~0.2 % of the bytes they
+read), and a page one connection faulted in is then mapped for all.
+
+Threads: any; the shared arena mappings are counted under a lock.
 
 Failure: :func:`map_offer` never raises for a segment it cannot take; it logs why and returns
 None, and the connection stays on the socket.
@@ -16,6 +21,7 @@ import logging
 import mmap
 import os
 import socket
+import threading
 import time
 
 from kvtier.protocol.frames import ProtocolError, ShmOffer
@@ -37,7 +43,7 @@ def map_offer(offer: ShmOffer, deadline: float) -> tuple[mmap.mmap | None, mmap.
         segment = _map_sealed(fds[0], offer.size, "segment", mmap.PROT_READ | mmap.PROT_WRITE)
         arena = None
         if segment is not None and len(fds) > 1:
-            arena = _map_sealed(fds[1], offer.arena_size, "arena", mmap.PROT_READ)
+            arena = _map_arena(fds[1], offer.arena_size)
         return segment, arena
     finally:
         for fd in fds:
@@ -53,6 +59,44 @@ def _map_sealed(fd: int, size: int, what: str, prot: int) -> mmap.mmap | None:
     except OSError as exc:
         log.info("data path: cannot map the server's %s (%s)", what, exc)
     return None
+
+
+_arenas: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}  # (st_dev, st_ino) -> (mapping, users)
+_arenas_lock = threading.Lock()
+
+
+def _map_arena(fd: int, size: int) -> mmap.mmap | None:
+    """The arena behind ``fd`` mapped read-only: this process's mapping of it when it has one
+    (a memfd's inode stays unique while mapped), counted once more; :func:`release_arena`
+    gives each back."""
+    st = os.fstat(fd)
+    ident = (st.st_dev, st.st_ino)
+    with _arenas_lock:
+        known = _arenas.get(ident)
+        if known is not None and len(known[0]) >= size:
+            _arenas[ident] = (known[0], known[1] + 1)
+            return known[0]
+        mapping = _map_sealed(fd, size, "arena", mmap.PROT_READ)
+        if mapping is not None and known is None:
+            _arenas[ident] = (mapping, 1)
+        return mapping
+
+
+def release_arena(mapping: mmap.mmap) -> None:
+    """A connection is done with ``mapping`` (from :func:`map_offer`): unmapped with its last
+    user (later, by the GC, where a caller still holds a view of it)."""
+    with _arenas_lock:
+        for ident, (known, users) in list(_arenas.items()):
+            if known is mapping:
+                if users > 1:
+                    _arenas[ident] = (known, users - 1)
+                    return
+                del _arenas[ident]
+                break
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 def _fetch_fds(offer: ShmOffer, deadline: float) -> list[int]:
