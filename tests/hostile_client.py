@@ -73,16 +73,26 @@ def offer_segment(sock: socket.socket, reader: FrameReader) -> ShmOffer:
     return parse_shm_ready(frame)
 
 
-def fetch_fd(offer: ShmOffer, ticket: str | None = None) -> int | None:
-    """The segment's descriptor as a client gets it, or None when the server gives none."""
+def fetch_fds(offer: ShmOffer, ticket: str | None = None) -> list[int]:
+    """Every descriptor the hand-off gives, as a client gets them (the segment's, then the
+    arena's where one is offered); none when the server gives none."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
         unix.settimeout(5)
         unix.connect("\0" + offer.socket)
         unix.sendall((offer.ticket if ticket is None else ticket).encode())
         try:
-            _, fds, _, _ = socket.recv_fds(unix, 1, 1)
+            _, fds, _, _ = socket.recv_fds(unix, 1, 2)
         except ConnectionResetError:
-            return None
+            return []
+    return list(fds)
+
+
+def fetch_fd(offer: ShmOffer, ticket: str | None = None) -> int | None:
+    """The segment's descriptor as a client gets it, or None when the server gives none (an
+    arena's, also given, is closed)."""
+    fds = fetch_fds(offer, ticket)
+    for extra in fds[1:]:
+        os.close(extra)
     return fds[0] if fds else None
 
 

@@ -11,15 +11,16 @@ What must hold, each checked against a real kvtier-server or a real memfd arena:
   the tier and as a hostile client takes the descriptor from the hand-off;
 - a client claiming in SHM_MAPPED an arena it was not offered still gets segment references;
 - a tenant's mapping holds no byte another tenant stored;
-- a server with huge pages or ``arena_reads: false`` offers no arena and GETs use the segment.
+- a server with huge pages or ``arena_reads: false`` offers no arena and GETs use the segment;
+- the wire: the offer, SHM_MAPPED's bits, ARENA references, and ARENA anywhere else refused.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import mmap
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,16 +28,36 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import CpuTierConfig, GrpcTierConfig
-from kvtier.protocol.frames import PUT_REPLY, encode_put, encode_shm_mapped
+from kvtier.protocol.frames import (
+    CHUNK,
+    PUT,
+    PUT_REPLY,
+    SHM_READY,
+    Buffers,
+    Frame,
+    FrameReader,
+    ProtocolError,
+    ShmOffer,
+    ShmRef,
+    WireLimits,
+    encode_chunk_ref,
+    encode_header,
+    encode_hello,
+    encode_put,
+    encode_shm_mapped,
+    encode_shm_ready,
+    parse_shm_ready,
+)
+from kvtier.protocol.session import GetReplyCollector, ServerSession
 from kvtier.protocol.socket_io import read_frame, send_all
 from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.remote import GrpcTier
 from kvtier.tiers.remote.data_conn import DataConn
-from tests.hostile_client import ALICE, BOB, assert_shm_get, connect, offer_segment
+from tests.hostile_client import ALICE, BOB, assert_shm_get, connect, fetch_fds, offer_segment
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
-CHUNK = 60_000  # payload bytes: chunks of ~60 KiB in 64 KiB slots
+PAYLOAD = 60_000  # payload bytes: chunks of ~60 KiB in 64 KiB slots
 
 
 def _out_bytes(server: ServerProc) -> dict[str, float]:
@@ -74,7 +95,7 @@ def test_every_read_path_copies_straight_from_the_arena(server: ServerProc) -> N
     tier = _tier(server, ALICE)
     try:
         keys = make_keys(12, seed=1)
-        chunks = [make_chunk(k, CHUNK, seed=i) for i, k in enumerate(keys)]
+        chunks = [make_chunk(k, PAYLOAD, seed=i) for i, k in enumerate(keys)]
         before = _out_bytes(server)
         assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 12
         assert tier.get(keys) == chunks
@@ -98,17 +119,17 @@ def test_a_named_slot_stays_intact_until_the_next_request(server: ServerProc) ->
     reader, writer = _tier(server, ALICE), _tier(server, ALICE)
     try:
         key = make_keys(1, seed=3)[0]
-        old = make_chunk(key, CHUNK, seed=30)
+        old = make_chunk(key, PAYLOAD, seed=30)
         assert reader.put([Entry(key, old)]) == [True]
         churn = make_keys(200, seed=4)  # 200 x 64 KiB slots: 1.5x alice's RAM, every free slot taken
         seen: list[bytes] = []
 
         def visit(i: int, view: memoryview) -> None:
-            new = make_chunk(key, CHUNK, seed=31)
+            new = make_chunk(key, PAYLOAD, seed=31)
             assert writer.put([Entry(key, new)]) == [True]  # overwritten ...
             writer.delete([key])  # ... deleted ...
             for j in range(0, len(churn), 20):  # ... and the RAM recycled many times over
-                writer.put([Entry(k, make_chunk(k, CHUNK, seed=j)) for k in churn[j : j + 20]])
+                writer.put([Entry(k, make_chunk(k, PAYLOAD, seed=j)) for k in churn[j : j + 20]])
             seen.append(bytes(view))
 
         assert reader.get_visit([key], visit) == [len(old)]
@@ -180,7 +201,7 @@ def test_a_tenant_maps_only_its_own_arena(server: ServerProc) -> None:
     alice, bob = _tier(server, ALICE), _tier(server, BOB)
     try:
         key = make_keys(1, seed=9)[0]
-        chunk = make_chunk(key, CHUNK, seed=90)  # random payload: its bytes occur nowhere else
+        chunk = make_chunk(key, PAYLOAD, seed=90)  # random payload: its bytes occur nowhere else
         assert alice.put([Entry(key, chunk)]) == [True]
         mine, theirs = _conn(alice), _conn(bob)
         try:
@@ -222,11 +243,7 @@ def test_the_arena_descriptor_a_client_receives_is_read_only(server: ServerProc)
     with sock:
         offer = offer_segment(sock, reader)
         assert offer.arena_size > 0
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
-            unix.settimeout(5)
-            unix.connect("\0" + offer.socket)
-            unix.sendall(offer.ticket.encode())
-            _, fds, _, _ = socket.recv_fds(unix, 1, 2)
+        fds = fetch_fds(offer)
         assert len(fds) == 2
         seg_fd, arena_fd = fds
         try:
@@ -254,11 +271,7 @@ def test_a_client_claiming_an_arena_it_was_not_offered_gets_segment_references(t
         with sock:
             offer = offer_segment(sock, reader)
             assert offer.arena_size == 0
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
-                unix.settimeout(5)
-                unix.connect("\0" + offer.socket)
-                unix.sendall(offer.ticket.encode())
-                _, fds, _, _ = socket.recv_fds(unix, 1, 2)
+            fds = fetch_fds(offer)
             assert len(fds) == 1
             seg = mmap.mmap(fds[0], offer.size)
             os.close(fds[0])
@@ -304,7 +317,7 @@ def test_a_process_maps_each_arena_once(server: ServerProc) -> None:
         mapping = a1._arena_map
         a1.close()
         key = make_keys(1, seed=13)[0]
-        chunk = make_chunk(key, CHUNK, seed=130)
+        chunk = make_chunk(key, PAYLOAD, seed=130)
         assert alice.put([Entry(key, chunk)]) == [True]
         assert chunk[-4096:] in bytes(mapping)  # still mapped for a2 (and alice's pooled connection)
         a2.close()
@@ -314,3 +327,37 @@ def test_a_process_maps_each_arena_once(server: ServerProc) -> None:
         bob.close()
     assert all(known is not mapping for known, _ in shm_map._arenas.values())
     assert mapping.closed
+
+
+def _decode(data: bytes | Buffers) -> list[Frame]:
+    """The frames in ``data`` (bytes, or an encoder's buffers)."""
+    raw = data if isinstance(data, bytes) else b"".join(bytes(part) for part in data)
+    return FrameReader(WireLimits()).feed(raw)
+
+
+def test_arena_references() -> None:
+    """The arena (kvtier.server.arena_refs): offered in SHM_READY, acknowledged in SHM_MAPPED's
+    bits, referenced by CHUNKs with SHM | ARENA and by nothing else."""
+    offer = ShmOffer("kvtier-shm-ab", "t" * 32, 1 << 20, 64 << 20)
+    assert parse_shm_ready(_decode((encode_shm_ready(offer)))[0]) == offer
+    plain = ShmOffer("kvtier-shm-ab", "t" * 32, 1 << 20)
+    assert parse_shm_ready(_decode((encode_shm_ready(plain)))[0]).arena_size == 0  # older servers
+    for bad in (-1, True, "1", 1.5):
+        body = json.dumps({"socket": "x", "ticket": "t", "size": 1, "arena": bad}).encode()
+        with pytest.raises(ProtocolError, match="arena size"):
+            parse_shm_ready(_decode(encode_header(SHM_READY, 0, 0, len(body)) + body)[0])
+    assert [_decode((encode_shm_mapped(*a)))[0].header.count
+            for a in ((True, True), (True, False), (False, True), (False, False))] == [3, 1, 0, 0]
+    c = GetReplyCollector(2)
+    c.accept(_decode((encode_chunk_ref(0, 64, 100, arena=True)))[0])
+    c.accept(_decode((encode_chunk_ref(1, 64, 100)))[0])
+    assert c.results == [ShmRef(64, 100, arena=True), ShmRef(64, 100)]
+    with pytest.raises(ProtocolError, match="ARENA flag but not SHM"):
+        GetReplyCollector(1).accept(_decode(encode_header(CHUNK, 8, 0, 3) + b"abc")[0])
+    key = make_keys(1, seed=4)[0]
+    session = ServerSession(WireLimits())
+    session.accept(_decode((encode_hello("")))[0])
+    for flags in (8, 8 | 4):  # a PUT never references the arena
+        body = key + bytes(16)
+        with pytest.raises(ProtocolError, match="ARENA flag"):
+            session.accept(_decode(encode_header(PUT, flags, 0, len(body)) + body)[0])

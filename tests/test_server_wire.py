@@ -4,7 +4,6 @@ decoder: whatever bytes arrive, the only error is ProtocolError."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -21,7 +20,6 @@ from kvtier.protocol.frames import (
     PUT_REPLY,
     SHM_MAPPED,
     SHM_OPEN,
-    SHM_READY,
     WELCOME,
     Frame,
     FrameHeader,
@@ -331,34 +329,6 @@ def test_shared_memory_frames() -> None:
     for bad in (ShmOffer("x", "t", 0), ShmOffer("", "t", 1), ShmOffer("x", "", 1)):
         with pytest.raises(ProtocolError, match="socket, a ticket and a positive size"):
             parse_shm_ready(_frames(join(encode_shm_ready(bad)))[0])
-
-
-def test_arena_references() -> None:
-    """The arena (kvtier.server.arena_refs): offered in SHM_READY, acknowledged in SHM_MAPPED's
-    bits, referenced by CHUNKs with SHM | ARENA and by nothing else."""
-    offer = ShmOffer("kvtier-shm-ab", "t" * 32, 1 << 20, 64 << 20)
-    assert parse_shm_ready(_frames(join(encode_shm_ready(offer)))[0]) == offer
-    plain = ShmOffer("kvtier-shm-ab", "t" * 32, 1 << 20)
-    assert parse_shm_ready(_frames(join(encode_shm_ready(plain)))[0]).arena_size == 0  # older servers
-    for bad in (-1, True, "1", 1.5):
-        body = json.dumps({"socket": "x", "ticket": "t", "size": 1, "arena": bad}).encode()
-        with pytest.raises(ProtocolError, match="arena size"):
-            parse_shm_ready(_frames(encode_header(SHM_READY, 0, 0, len(body)) + body)[0])
-    assert [_frames(join(encode_shm_mapped(*a)))[0].header.count
-            for a in ((True, True), (True, False), (False, True), (False, False))] == [3, 1, 0, 0]
-    c = GetReplyCollector(2)
-    c.accept(_frames(join(encode_chunk_ref(0, 64, 100, arena=True)))[0])
-    c.accept(_frames(join(encode_chunk_ref(1, 64, 100)))[0])
-    assert c.results == [ShmRef(64, 100, arena=True), ShmRef(64, 100)]
-    with pytest.raises(ProtocolError, match="ARENA flag but not SHM"):
-        GetReplyCollector(1).accept(_frames(encode_header(CHUNK, 8, 0, 3) + b"abc")[0])
-    key = make_keys(1, seed=4)[0]
-    session = ServerSession(LIMITS)
-    session.accept(_frames(join(encode_hello("")))[0])
-    for flags in (8, 8 | 4):  # a PUT never references the arena
-        body = key + bytes(16)
-        with pytest.raises(ProtocolError, match="ARENA flag"):
-            session.accept(_frames(encode_header(PUT, flags, 0, len(body)) + body)[0])
 
 
 def test_collector_checks_order_and_errors() -> None:
