@@ -5,7 +5,9 @@ machines is most of a page's read or write time. SGLang calls the backend from a
 threads (prefetch IO, backup, scheduler), so each thread keeps one batch of chunk-sized,
 page-aligned buffers (``kvtier.chunk.page_aligned_buffer``: the disk tier reads/writes them with
 O_DIRECT in place) and reuses them for every call; a request larger than one batch is streamed
-through them batch by batch.
+through them batch by batch. Reads use two sets in turn (readahead.py: the next batch is read
+into one while the other's pages are copied into the pool), so a reading thread holds up to
+``2 * per_batch`` buffers.
 
 Ownership: a thread's buffers are valid until that thread's next ``batch`` call; nothing here is
 shared between threads (``threading.local``), so no lock.
@@ -34,11 +36,17 @@ class ThreadBuffers:
         self.per_batch = max(1, BATCH_BYTES // self.size)
         self._local = threading.local()
 
-    def batch(self, n: int) -> list[memoryview]:
-        """``min(n, per_batch)`` buffers of ``size`` bytes owned by the calling thread."""
-        have: list[memoryview] = getattr(self._local, "bufs", None) or []
+    def batch(self, n: int, which: int = 0) -> list[memoryview]:
+        """``min(n, per_batch)`` buffers of ``size`` bytes owned by the calling thread, from
+        its set ``which`` (0 or 1; the sets never share a buffer)."""
+        name = f"bufs{which}"
+        have: list[memoryview] = getattr(self._local, name, None) or []
         want = min(n, self.per_batch)
         if len(have) < want:
             have = have + [page_aligned_buffer(self.size) for _ in range(want - len(have))]
-            self._local.bufs = have
+            setattr(self._local, name, have)
         return have[:want]
+
+    def pair(self, n: int) -> tuple[list[memoryview], list[memoryview]]:
+        """Two disjoint sets of ``min(n, per_batch)`` buffers each (the read-ahead's)."""
+        return self.batch(n, 0), self.batch(n, 1)

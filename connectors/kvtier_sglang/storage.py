@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvtier.cache import PrefixCache
+from kvtier.cache import PrefixCache, VerifiedRun
 from kvtier.chunk import HEADER_SIZE, encode_chunk, frame_raw_chunk, page_aligned_buffer
-from kvtier.codec import Codec
+from kvtier.codec import Buf, Codec
 from kvtier.errors import KVTierError
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
@@ -55,6 +56,7 @@ from .arena import leasing_tier, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, geometry_of, load_page, page_slots, page_view, save_page
+from .readahead import ReaderThreads, read_ahead
 from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
 from .stats import BackendStats
@@ -86,6 +88,7 @@ class KVTierStorage(HiCacheStorage):
         self._geo: PageGeometry | None = None
         self._buffer: torch.Tensor | None = None
         self._bufs: ThreadBuffers | None = None
+        self._readers = ReaderThreads()  # the next batch's reads (readahead.py)
         self._written = WrittenKeys()
         self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
         self.usage: BackendUsage | None = None  # engine usage reports (usage.py), once registered
@@ -167,7 +170,6 @@ class KVTierStorage(HiCacheStorage):
             cache, geo, buffer = self._ready()
             slots = page_slots(host_indices, len(keys), geo.page_tokens)
             xkeys = store_keys(self.namespace, keys)
-            bufs = self._thread_buffers()
             pos, end = 0, len(keys)
             tier = leasing_tier(cache)
             remote = remote_tier(cache)
@@ -183,19 +185,20 @@ class KVTierStorage(HiCacheStorage):
                                    lambda i: page_view(geo, buffer, slots[i]))
                 out[:pos] = [True] * pos
                 end = pos if len(cache.store.tiers) == 1 else end
-            while pos < end:
-                # Read a batch into this thread's buffers, verified there; then one strided copy
-                # per page into the pool. A missing or refused page ends the leading run.
-                batch = bufs.batch(len(keys) - pos)
-                hi = pos + len(batch)
-                run = cache.load_verified_into(xkeys[pos:hi], [(0, geo.page_tokens)] * len(batch),
-                                               batch, pos)
-                for j, payload in enumerate(run.payloads):
-                    load_page(page_view(geo, buffer, slots[pos + j]), payload)
-                    out[pos + j] = True
-                if len(run.payloads) < len(batch):
-                    break
-                pos = hi
+            if pos < end:
+                # Batches read into this thread's buffers and verified there, the next batch
+                # read while this one is copied (one strided copy per page) into the pool
+                # (readahead.py). A missing or refused page ends the leading run.
+                def load(first: int, batch: Sequence[memoryview]) -> VerifiedRun:
+                    return cache.load_verified_into(xkeys[first:first + len(batch)],
+                                                    [(0, geo.page_tokens)] * len(batch), batch, first)
+
+                def copy(i: int, payload: Buf) -> None:
+                    load_page(page_view(geo, buffer, slots[i]), payload)
+                    out[i] = True
+
+                bufs = self._thread_buffers()
+                read_ahead(load, copy, pos, end, bufs.pair(end - pos), self._readers.pool())
         except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("get", len(keys), exc)
         done = sum(out)
@@ -387,5 +390,6 @@ class KVTierStorage(HiCacheStorage):
         """Flush and close the store this backend opened (idempotent)."""
         if self.usage is not None:
             self.usage.close()
+        self._readers.close()  # a read in flight ends before the store it reads closes
         if self._store is not None and self._owns_store:
             self._store.close()
