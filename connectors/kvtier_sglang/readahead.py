@@ -5,11 +5,14 @@ Why: a page the store reads into a chunk buffer (the disk tier, Redis; every tie
 in-process cpu tier) is read, verified there, then copied (strided) into the pool. One after
 the other, the device idles while the CPU copies and the CPU idles while the device reads. So
 while batch ``k`` is copied, batch ``k + 1`` is already being read into the thread's second
-buffer set. Measured 2026-12-06 (2-core AMD EPYC VM, ``bench/e2e_sglang.py --tiers
-disk,disk-buffered``, 4 MiB pages, one page per batch): the disk tier's O_DIRECT reads 0.98 ->
-1.48 GB/s (median of 5); buffered reads from the page cache unchanged (3.80 / 3.85 GB/s).
-Larger batches (4 pages, so the disk tier reads four at a time) did worse: 1.28 and 3.00 GB/s
-(16 MiB per batch no longer stays in the caches between the read, the check and the copy).
+buffer set. Measured 2026-12-06 (2-core AMD EPYC VM, 4 MiB pages, one page per batch,
+``bench/e2e_sglang.py --tiers disk,disk-buffered``, medians of 4-5 repeats, before -> after,
+same VM): the disk tier's O_DIRECT reads 0.98 -> 1.48, 0.87 -> 1.16 and 1.08 -> 1.10 GB/s (the
+device's own speed moves this much between runs); buffered reads from the page cache, where
+both steps are CPU copies on two cores, 3.80 / 3.32 / 3.67 -> 3.85 / 3.30 / 3.33 GB/s (no
+gain). Larger batches (4 pages, so the disk tier reads four at a time) did worse in one run:
+1.28 and 3.00 GB/s (16 MiB per batch no longer stays in the caches between the read, the
+check and the copy).
 
 Order and stopping: batches are loaded in key order and the next one is asked for only when the
 current one came back whole, so nothing past the first miss or refused chunk is read (and none

@@ -55,22 +55,17 @@ import grpc
 
 from kvtier.protocol.accept import Acceptor
 from kvtier.protocol.frames import (
-    MAPPED_ARENA,
-    MAPPED_SEGMENT,
     OP_LOOKUP,
-    SHM_OPEN,
     Frame,
     FrameReader,
     LookupKeys,
     ProtocolError,
     PutItem,
-    ShmOffer,
     ShmRef,
     WireLimits,
     encode_error,
     encode_lookup_reply,
     encode_put_reply,
-    encode_shm_ready,
     encode_welcome,
 )
 from kvtier.protocol.session import ServerSession, ShmControl
@@ -78,11 +73,12 @@ from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
 from kvtier.server.admission import Admission, Conn
-from kvtier.server.arena_refs import ArenaRefs, reader_fd
+from kvtier.server.arena_refs import ArenaRefs
 from kvtier.server.auth import Authenticator, AuthError
 from kvtier.server.data_get import GetReplier
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import BadRequest, Limits, make_entry
+from kvtier.server.shm_control import answer_shm_control
 from kvtier.server.storage import Storage, TenantStore
 from kvtier.tiers.cpu import Reservation
 
@@ -251,7 +247,7 @@ class DataPlane:
                     refs.release()
                 request = session.accept(frame)
                 if isinstance(request, ShmControl):
-                    self._shm_control(sock, store, seg, request)
+                    answer_shm_control(sock, store, seg, request, self.shm_bytes, self.arena_reads)
                     continue
                 if isinstance(request, list):
                     if refs is None and seg.arena_mapped:
@@ -288,33 +284,6 @@ class DataPlane:
         sock.settimeout(None)
         set_kernel_timeouts(sock, IDLE_TIMEOUT_S)
         return True
-
-    def _shm_control(self, sock: socket.socket, store: TenantStore, seg: shm_segment.Segment,
-                     request: ShmControl) -> None:
-        if request.type == SHM_OPEN:
-            if not self.shm_bytes or seg.mapping is not None:
-                send_all(sock, encode_error(grpc.StatusCode.FAILED_PRECONDITION.value[0],
-                                            "shared memory is off on this server" if not self.shm_bytes
-                                            else "this connection has its segment already"))
-                return
-            arena_fd, arena_size = reader_fd(store) if self.arena_reads else (-1, 0)
-            try:
-                seg.create(self.shm_bytes, arena_fd)
-            except OSError as exc:
-                log.warning("data path: no shared segment (%s); this connection stays on the socket", exc)
-                send_all(sock, encode_error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"no shared segment: {exc}"))
-                return
-            send_all(sock, encode_shm_ready(ShmOffer(seg.address, seg.ticket, self.shm_bytes, arena_size)))
-            seg.arena_offered = arena_size > 0
-            seg.hand_off(sock)
-            return
-        if not seg.pending:
-            raise ProtocolError("SHM_MAPPED without a pending segment")
-        if request.ok & MAPPED_SEGMENT:
-            seg.view = memoryview(seg.mapping)  # type: ignore[arg-type]  # pending: mapped
-            seg.arena_mapped = seg.arena_offered and bool(request.ok & MAPPED_ARENA)
-        else:
-            seg.close()
 
     def _lookup(self, sock: socket.socket, store: TenantStore, keys: list[bytes]) -> None:
         start = time.perf_counter()
