@@ -126,10 +126,53 @@ def test_a_failing_read_reaches_the_caller_after_the_pages_before_it(pool: Threa
     assert got == [0, 1]
 
 
-def test_buffer_sets_of_different_sizes_are_refused(pool: ThreadPoolExecutor) -> None:
+def test_buffer_sets_of_different_sizes_or_too_few_are_refused(pool: ThreadPoolExecutor) -> None:
     a, b = sets(2)
-    with pytest.raises(ValueError, match="two buffer sets of one size"):
-        read_ahead(Source(1), lambda i, p: None, 0, 1, (a, b[:1]), pool)
+    for bad in ((a, b[:1]), (a,), ()):
+        with pytest.raises(ValueError, match="two or more buffer sets of one size"):
+            read_ahead(Source(1), lambda i, p: None, 0, 1, bad, pool)
+
+
+def test_a_ring_reads_several_batches_ahead_and_never_into_the_set_being_copied() -> None:
+    ring = [sets(2)[0] for _ in range(4)]
+    owner = {id(buf.obj): k for k, s in enumerate(ring) for buf in s}
+    src = Source(present=19)
+    lock = threading.Lock()
+    busy: set[int] = set()  # sets being read into or copied out of
+    loading, most = [0], [0]
+
+    def load(first: int, bufs: Sequence[memoryview]) -> VerifiedRun:
+        k = owner[id(bufs[0].obj)]
+        with lock:
+            assert k not in busy, f"set {k} read into while still in use"
+            busy.add(k)
+            loading[0] += 1
+            most[0] = max(most[0], loading[0])
+        time.sleep(0.02)  # a device read: the copies below overlap it
+        run = src(first, bufs)
+        with lock:
+            loading[0] -= 1
+        return run
+
+    got: list[int] = []
+    done_with: list[int] = []
+
+    def copy(i: int, payload: Buf) -> None:
+        assert bytes(payload) == bytes([i]) * PAGE
+        got.append(i)
+        if i % 2 == 1 or i == 18:  # the last page of its batch: its set is free again
+            k = owner[id(memoryview(payload).obj)]
+            with lock:
+                busy.discard(k)
+            done_with.append(k)
+
+    with ThreadPoolExecutor(4) as ex:
+        assert read_ahead(load, copy, 0, 30, ring, ex) == 19
+    assert got == list(range(19))
+    assert done_with[:8] == [0, 1, 2, 3, 0, 1, 2, 3]  # the sets in turn
+    assert most[0] == 3, f"{most[0]} reads in flight at most; a ring of 4 reads 3 ahead"
+    # Batch [18, 19] came back short: what was asked for after it is at most 2 batches more.
+    assert max(first for first, _ in src.loads) <= 22
 
 
 def test_a_closed_backends_readers_wait_for_the_read_in_flight_and_refuse_more() -> None:

@@ -5,9 +5,10 @@ machines is most of a page's read or write time. SGLang calls the backend from a
 threads (prefetch IO, backup, scheduler), so each thread keeps one batch of chunk-sized,
 page-aligned buffers (``kvtier.chunk.page_aligned_buffer``: the disk tier reads/writes them with
 O_DIRECT in place) and reuses them for every call; a request larger than one batch is streamed
-through them batch by batch. Reads use two sets in turn (readahead.py: the next batch is read
-into one while the other's pages are copied into the pool), so a reading thread holds up to
-``2 * per_batch`` buffers.
+through them batch by batch. Reads use a ring of sets (readahead.py: the next batches are read
+into the others while one set's pages are copied into the pool): up to about
+``BATCH_BYTES + READ_AHEAD_BYTES`` per reading thread, or 1 + ``MAX_AHEAD`` pages where a page
+is larger.
 
 Ownership: a thread's buffers are valid until that thread's next ``batch`` call; nothing here is
 shared between threads (``threading.local``), so no lock.
@@ -20,6 +21,9 @@ import threading
 from kvtier.chunk import HEADER_SIZE, PAGE, page_aligned_buffer
 
 BATCH_BYTES = 8 << 20  # chunk bytes per batch: streams large requests, keeps a thread's set small
+# Reads ahead of the copy (readahead.py): about this many bytes in flight, 1 to MAX_AHEAD batches.
+READ_AHEAD_BYTES = 16 << 20
+MAX_AHEAD = 3
 
 
 def chunk_buffer_bytes(page_bytes: int) -> int:
@@ -34,11 +38,13 @@ class ThreadBuffers:
     def __init__(self, page_bytes: int) -> None:
         self.size = chunk_buffer_bytes(page_bytes)
         self.per_batch = max(1, BATCH_BYTES // self.size)
+        batch_bytes = self.per_batch * self.size
+        self.read_sets = 1 + max(1, min(MAX_AHEAD, READ_AHEAD_BYTES // batch_bytes))
         self._local = threading.local()
 
     def batch(self, n: int, which: int = 0) -> list[memoryview]:
         """``min(n, per_batch)`` buffers of ``size`` bytes owned by the calling thread, from
-        its set ``which`` (0 or 1; the sets never share a buffer)."""
+        its set ``which`` (``0 <= which < read_sets``; sets never share a buffer)."""
         name = f"bufs{which}"
         have: list[memoryview] = getattr(self._local, name, None) or []
         want = min(n, self.per_batch)
@@ -47,6 +53,7 @@ class ThreadBuffers:
             setattr(self._local, name, have)
         return have[:want]
 
-    def pair(self, n: int) -> tuple[list[memoryview], list[memoryview]]:
-        """Two disjoint sets of ``min(n, per_batch)`` buffers each (the read-ahead's)."""
-        return self.batch(n, 0), self.batch(n, 1)
+    def sets(self, n: int) -> list[list[memoryview]]:
+        """The read-ahead's ring: :attr:`read_sets` disjoint sets of ``min(n, per_batch)``
+        buffers each."""
+        return [self.batch(n, which) for which in range(self.read_sets)]

@@ -1,32 +1,41 @@
-"""Pages read through the store batch by batch, the next batch's reads in flight while this
+"""Pages read through the store batch by batch, the next batches' reads in flight while this
 batch is copied into the host pool.
 
 Why: a page the store reads into a chunk buffer (the disk tier, Redis; every tier below an
 in-process cpu tier) is read, verified there, then copied (strided) into the pool. One after
-the other, the device idles while the CPU copies and the CPU idles while the device reads. So
-while batch ``k`` is copied, batch ``k + 1`` is already being read into the thread's second
-buffer set. Measured 2026-12-06 (2-core AMD EPYC VM, 4 MiB pages, one page per batch,
-``bench/e2e_sglang.py --tiers disk,disk-buffered``, medians of 4-5 repeats, before -> after,
-same VM): the disk tier's O_DIRECT reads 0.98 -> 1.48, 0.87 -> 1.16 and 1.08 -> 1.10 GB/s (the
-device's own speed moves this much between runs); buffered reads from the page cache, where
-both steps are CPU copies on two cores, 3.80 / 3.32 / 3.67 -> 3.85 / 3.30 / 3.33 GB/s (no
-gain). Larger batches (4 pages, so the disk tier reads four at a time) did worse in one run:
-1.28 and 3.00 GB/s (16 MiB per batch no longer stays in the caches between the read, the
-check and the copy).
+the other, the device idles while the CPU copies and the CPU idles while the device reads, and
+with pages of a few MiB (one page per 8 MiB batch) the disk tier read one file at a time. So
+the calling thread's buffers form a ring of sets (buffers.py: about 16 MiB ahead, one to three
+batches): while one batch is copied, the next ones are being read into the other sets, each by
+its own reader thread, so a device sees several reads queued.
 
-Order and stopping: batches are loaded in key order and the next one is asked for only when the
-current one came back whole, so nothing past the first miss or refused chunk is read (and none
-of it is copied: ``copy`` sees the leading verified pages only, in order).
+Measured 2026-12-06 (2-core AMD EPYC VM, 4 MiB pages, ``bench/e2e_sglang.py --tiers
+disk,disk-buffered --repeats 4``, medians, same-VM pairs run alternately):
 
-Threads: ``copy`` runs on the calling thread; ``load`` runs on ``pool`` (the backend's small
-read-ahead pool). Every ``load`` has ended before :func:`read_ahead` returns or raises, so no
+- none -> one batch ahead: O_DIRECT disk reads 0.87 -> 1.16 and 1.08 -> 1.10 GB/s (0.98 ->
+  1.48 in a first pair); buffered 3.32 -> 3.30 and 3.67 -> 3.33 GB/s;
+- one -> three batches ahead (the ring): O_DIRECT 0.97 -> 1.49 and 1.12 -> 1.35 GB/s;
+  buffered 3.29 -> 3.72 and 3.38 -> 4.09 GB/s (the raw device: 1.28 / 1.48 / 1.79 GB/s with
+  1 / 2 / 4 reads of 4 MiB in flight).
+
+Larger batches instead (four pages each, so the disk tier reads four at a time, one ahead)
+did worse: 1.28 and 3.00 GB/s.
+
+Order and stopping: batches are asked for in key order, and none after one that came back
+short (a miss or a refused chunk); the few already in flight then are waited for and dropped,
+so ``copy`` sees exactly the leading verified pages, in order. A read past a miss costs only
+device time: SGLang asks to read pages ``batch_exists`` has just found.
+
+Threads: ``copy`` runs on the calling thread; ``load`` runs on ``pool`` (the backend's
+:class:`ReaderThreads`). Every ``load`` has ended before :func:`read_ahead` returns or raises, so no
 read writes into a buffer its owner has taken back. ``load`` may raise: the exception reaches the
-caller after the other load in flight has ended.
+caller after the other loads in flight have ended.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 
@@ -37,39 +46,45 @@ Load = Callable[[int, Sequence[memoryview]], VerifiedRun]  # (first index, buffe
 Copy = Callable[[int, Buf], None]                           # (index, verified payload) -> None
 
 
-def read_ahead(load: Load, copy: Copy, start: int, end: int, sets: tuple[Sequence[memoryview], Sequence[memoryview]],
+def read_ahead(load: Load, copy: Copy, start: int, end: int, sets: Sequence[Sequence[memoryview]],
                pool: Executor) -> int:
-    """Load pages ``start..end`` in batches of ``len(sets[0])`` (``sets``: two equal lists of
-    chunk buffers, used in turn) and ``copy`` each verified payload; returns the index after
-    the last page copied (``start`` when the first page missed)."""
-    size = len(sets[0])
-    if size < 1 or len(sets[1]) != size:
-        raise ValueError(f"read_ahead needs two buffer sets of one size, got {len(sets[0])} and {len(sets[1])}")
+    """Load pages ``start..end`` in batches of ``len(sets[0])`` and ``copy`` each verified
+    payload, in order; returns the index after the last page copied (``start`` when the first
+    page missed). ``sets``: two or more equal lists of chunk buffers, used in turn: up to
+    ``len(sets) - 1`` batches are read ahead while one is copied, and a set is read into again
+    only after its batch was copied. Batches already in flight when one comes back short are
+    waited for, never copied; no new one is asked for."""
+    size = len(sets[0]) if sets else 0
+    if len(sets) < 2 or size < 1 or any(len(s) != size for s in sets):
+        raise ValueError(f"read_ahead needs two or more buffer sets of one size, got sizes {[len(s) for s in sets]}")
+    inflight: deque[tuple[int, int, Future[VerifiedRun]]] = deque()  # (first page, pages, its load)
+    nxt, batch = start, 0
 
-    def submit(first: int, which: int) -> Future[VerifiedRun]:
-        return pool.submit(load, first, sets[which][:min(size, end - first)])
+    def fill() -> None:
+        nonlocal nxt, batch
+        while nxt < end and len(inflight) < len(sets) - 1:  # one set is the one being copied
+            n = min(size, end - nxt)
+            inflight.append((nxt, n, pool.submit(load, nxt, sets[batch % len(sets)][:n])))
+            nxt, batch = nxt + n, batch + 1
 
-    pos, which = start, 0
-    pending: Future[VerifiedRun] | None = submit(pos, which) if pos < end else None
+    pos = start
     try:
-        while pending is not None:
+        fill()
+        while inflight:
+            first, n, pending = inflight.popleft()
             run = pending.result()
-            pending = None
-            want = min(size, end - pos)
-            hi = pos + want
-            whole = len(run.payloads) == want
-            if whole and hi < end:
-                which ^= 1
-                pending = submit(hi, which)
+            whole = len(run.payloads) == n
+            if whole:
+                fill()
             for j, payload in enumerate(run.payloads):
-                copy(pos + j, payload)
-            pos += len(run.payloads)
+                copy(first + j, payload)
+            pos = first + len(run.payloads)
             if not whole:
                 break
         return pos
     finally:
-        if pending is not None:
-            wait([pending])  # it reads into the other set: never hand the buffers back under it
+        # Loads still in flight read into our sets: never hand the buffers back under them.
+        wait([f for _, _, f in inflight])
 
 
 class ReaderThreads:

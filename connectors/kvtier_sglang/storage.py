@@ -198,7 +198,7 @@ class KVTierStorage(HiCacheStorage):
                     out[i] = True
 
                 bufs = self._thread_buffers()
-                read_ahead(load, copy, pos, end, bufs.pair(end - pos), self._readers.pool())
+                read_ahead(load, copy, pos, end, bufs.sets(end - pos), self._readers.pool())
         except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("get", len(keys), exc)
         done = sum(out)
