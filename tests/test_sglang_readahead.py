@@ -11,7 +11,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from kvtier_sglang.readahead import ReaderThreads, read_ahead
+from kvtier_sglang.iothreads import IOThreads
+from kvtier_sglang.readahead import read_ahead
 
 from kvtier.cache import VerifiedRun
 from kvtier.codec import Buf
@@ -176,7 +177,7 @@ def test_a_ring_reads_several_batches_ahead_and_never_into_the_set_being_copied(
 
 
 def test_a_closed_backends_readers_wait_for_the_read_in_flight_and_refuse_more() -> None:
-    readers = ReaderThreads(threads=1)
+    readers = IOThreads(threads=1)
     ended = threading.Event()
 
     def slow() -> None:

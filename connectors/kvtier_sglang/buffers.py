@@ -5,13 +5,15 @@ machines is most of a page's read or write time. SGLang calls the backend from a
 threads (prefetch IO, backup, scheduler), so each thread keeps one batch of chunk-sized,
 page-aligned buffers (``kvtier.chunk.page_aligned_buffer``: the disk tier reads/writes them with
 O_DIRECT in place) and reuses them for every call; a request larger than one batch is streamed
-through them batch by batch. Reads use a ring of sets (readahead.py: the next batches are read
-into the others while one set's pages are copied into the pool): up to about
-``BATCH_BYTES + READ_AHEAD_BYTES`` per reading thread, or 1 + ``MAX_AHEAD`` pages where a page
+through them batch by batch. Reads and writes use a ring of sets (readahead.py: the next
+batches are read into the others while one set's pages are copied into the pool;
+writebehind.py: the earlier batches are stored from the others while one is filled): up to about
+``BATCH_BYTES + READ_AHEAD_BYTES`` per calling thread, or 1 + ``MAX_AHEAD`` pages where a page
 is larger.
 
-Ownership: a thread's buffers are valid until that thread's next ``batch`` call; nothing here is
-shared between threads (``threading.local``), so no lock.
+Ownership: a thread's buffers are its own (``threading.local``, so no lock), lent to the
+backend's I/O threads only for the length of one of its calls (readahead.py and writebehind.py
+wait for them before returning).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 from kvtier.chunk import HEADER_SIZE, PAGE, page_aligned_buffer
 
 BATCH_BYTES = 8 << 20  # chunk bytes per batch: streams large requests, keeps a thread's set small
-# Reads ahead of the copy (readahead.py): about this many bytes in flight, 1 to MAX_AHEAD batches.
+# Batches read ahead of the copy or stored behind it: about this many bytes, 1 to MAX_AHEAD batches.
 READ_AHEAD_BYTES = 16 << 20
 MAX_AHEAD = 3
 
@@ -39,12 +41,12 @@ class ThreadBuffers:
         self.size = chunk_buffer_bytes(page_bytes)
         self.per_batch = max(1, BATCH_BYTES // self.size)
         batch_bytes = self.per_batch * self.size
-        self.read_sets = 1 + max(1, min(MAX_AHEAD, READ_AHEAD_BYTES // batch_bytes))
+        self.ring_sets = 1 + max(1, min(MAX_AHEAD, READ_AHEAD_BYTES // batch_bytes))
         self._local = threading.local()
 
     def batch(self, n: int, which: int = 0) -> list[memoryview]:
         """``min(n, per_batch)`` buffers of ``size`` bytes owned by the calling thread, from
-        its set ``which`` (``0 <= which < read_sets``; sets never share a buffer)."""
+        its set ``which`` (``0 <= which < ring_sets``; sets never share a buffer)."""
         name = f"bufs{which}"
         have: list[memoryview] = getattr(self._local, name, None) or []
         want = min(n, self.per_batch)
@@ -54,6 +56,6 @@ class ThreadBuffers:
         return have[:want]
 
     def sets(self, n: int) -> list[list[memoryview]]:
-        """The read-ahead's ring: :attr:`read_sets` disjoint sets of ``min(n, per_batch)``
+        """The ring the read-ahead and write-behind use: :attr:`ring_sets` disjoint sets of ``min(n, per_batch)``
         buffers each."""
-        return [self.batch(n, which) for which in range(self.read_sets)]
+        return [self.batch(n, which) for which in range(self.ring_sets)]

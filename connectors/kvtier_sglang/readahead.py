@@ -27,17 +27,16 @@ so ``copy`` sees exactly the leading verified pages, in order. A read past a mis
 device time: SGLang asks to read pages ``batch_exists`` has just found.
 
 Threads: ``copy`` runs on the calling thread; ``load`` runs on ``pool`` (the backend's
-:class:`ReaderThreads`). Every ``load`` has ended before :func:`read_ahead` returns or raises, so no
+:class:`~kvtier_sglang.iothreads.IOThreads`). Every ``load`` has ended before :func:`read_ahead` returns or raises, so no
 read writes into a buffer its owner has taken back. ``load`` may raise: the exception reaches the
 caller after the other loads in flight have ended.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 
 from kvtier.cache import VerifiedRun
 from kvtier.codec import Buf
@@ -85,29 +84,3 @@ def read_ahead(load: Load, copy: Copy, start: int, end: int, sets: Sequence[Sequ
     finally:
         # Loads still in flight read into our sets: never hand the buffers back under them.
         wait([f for _, _, f in inflight])
-
-
-class ReaderThreads:
-    """A backend's read-ahead threads, started on first use: one per SGLang thread that reads
-    at once (prefetch IO, scheduler), a few at most. After :meth:`close` (which waits for the
-    reads in flight, so none outlives the store it reads) :meth:`pool` raises RuntimeError."""
-
-    def __init__(self, threads: int = 4) -> None:
-        self._threads = threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def pool(self) -> Executor:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("kvtier_sglang: the backend is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, "kvtier-sglang-readahead")
-            return self._pool
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool, self._closed = self._pool, None, True
-        if pool is not None:
-            pool.shutdown(wait=True)

@@ -19,10 +19,12 @@ Contract (what SGLang relies on):
 - Pages are copied between the host pool's buffer and the store in kvtier's canonical chunk
   order (pages.py). With an in-process cpu tier, pages move straight between the pool and its
   arena (arena.py: a read verified in the arena, a single-tier write framed in its slot, one
-  copy each). Other reads and writes go through reusable
-  page-aligned chunk buffers of the calling thread (buffers.py): a read lands in them (``load_verified_into``: O_DIRECT in place on disk), is
-  verified there and copied into the pool once; a raw-codec write copies the page into one and
-  frames the chunk around it. No allocation per page on either path.
+  copy each). Other reads and writes go through a ring of reusable page-aligned chunk buffer
+  sets of the calling thread (buffers.py): a read lands in them (``load_verified_into``:
+  O_DIRECT in place on disk), is verified there and copied into the pool once, the next
+  batches read meanwhile (readahead.py); a raw-codec write copies the page into one and
+  frames the chunk around it, the earlier batches stored meanwhile (writebehind.py). No
+  allocation per page on either path.
 
 Threads: SGLang calls from its prefetch, backup and scheduler threads concurrently; the store
 and PrefixCache are thread-safe, the host buffer regions of concurrent calls are disjoint
@@ -54,13 +56,15 @@ from kvtier.tiers.base import Entry
 
 from .arena import leasing_tier, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
+from .iothreads import IOThreads
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, geometry_of, load_page, page_slots, page_view, save_page
-from .readahead import ReaderThreads, read_ahead
+from .readahead import read_ahead
 from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
 from .stats import BackendStats
 from .usage import BackendUsage
+from .writebehind import write_behind
 from .written import WrittenKeys
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ class KVTierStorage(HiCacheStorage):
         self._geo: PageGeometry | None = None
         self._buffer: torch.Tensor | None = None
         self._bufs: ThreadBuffers | None = None
-        self._readers = ReaderThreads()  # the next batch's reads (readahead.py)
+        self._io = IOThreads()  # batches read ahead and written behind
         self._written = WrittenKeys()
         self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
         self.usage: BackendUsage | None = None  # engine usage reports (usage.py), once registered
@@ -198,7 +202,7 @@ class KVTierStorage(HiCacheStorage):
                     out[i] = True
 
                 bufs = self._thread_buffers()
-                read_ahead(load, copy, pos, end, bufs.sets(end - pos), self._readers.pool())
+                read_ahead(load, copy, pos, end, bufs.sets(end - pos), self._io.pool())
         except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("get", len(keys), exc)
         done = sum(out)
@@ -275,17 +279,17 @@ class KVTierStorage(HiCacheStorage):
         reuse = raw and not (len(store.tiers) > 1 and store.config.write_policy == "write_through")
         bufs = self._thread_buffers()
         shape = cache.spec.layout.chunk_shape(geo.page_tokens)
-        accepted, j = 0, 0
-        while j < len(views):
-            n = min(bufs.per_batch, len(views) - j)
+
+        def fill(start: int, n: int, which: int) -> list[Entry]:
+            """Pages ``first + start`` on, framed in buffer set ``which`` (or fresh buffers)."""
             if reuse:
-                batch = bufs.batch(n)
+                batch = bufs.batch(n, which)
             else:
                 batch = [page_aligned_buffer(HEADER_SIZE + geo.page_bytes) for _ in range(n if raw else 0)]
             entries = []
             for k in range(n):
-                i = first + j + k
-                src = views[j + k]
+                i = first + start + k
+                src = views[start + k]
                 if raw:
                     save_page(src, memoryview(batch[k])[HEADER_SIZE:HEADER_SIZE + geo.page_bytes])
                     data = frame_raw_chunk(batch[k], self.namespace, xkeys[i], cache.spec.kv_dtype, shape)
@@ -295,10 +299,11 @@ class KVTierStorage(HiCacheStorage):
                     data = encode_chunk(self.namespace, xkeys[i], cache.spec.kv_dtype, shape,
                                         scratch, codec=cache.codec, shuffle=cache.shuffle)
                 entries.append(Entry(xkeys[i], data, depth0 + i, xkeys[i - 1] if i else parent0))
-            accepted += store.store(entries)
             self._track([e.key for e in entries])
-            j += n
-        return accepted
+            return entries
+
+        # Each batch stored on an I/O thread while the next is filled (writebehind.py).
+        return write_behind(fill, store.store, len(views), bufs.per_batch, bufs.ring_sets, self._io.pool())
 
     def _track(self, keys: list[bytes]) -> None:
         self.stats.add("untracked_pages", self._written.add(keys))
@@ -390,6 +395,6 @@ class KVTierStorage(HiCacheStorage):
         """Flush and close the store this backend opened (idempotent)."""
         if self.usage is not None:
             self.usage.close()
-        self._readers.close()  # a read in flight ends before the store it reads closes
+        self._io.close()  # a read or store in flight ends before the store closes
         if self._store is not None and self._owns_store:
             self._store.close()

@@ -1,5 +1,5 @@
-"""KVTierStorage's read-ahead (kvtier_sglang/readahead.py) on SGLang's real host pool: with one
-page per batch and several batches read ahead, a page that is corrupt, missing or whose read
+"""KVTierStorage's read-ahead and write-behind (readahead.py, writebehind.py) on SGLang's real
+host pool. With one page per batch and several batches read ahead, a page that is corrupt, missing or whose read
 raises in a later batch ends the restore exactly there. The pages before it are restored
 exactly, none after it is copied (read ahead or not), nothing reaches SGLang's thread.
 
@@ -50,7 +50,7 @@ def backend(tier: FaultyTier) -> tuple[Any, KVTierStorage, list[str], list[torch
     be.register_mem_pool_host(host)
     assert be._bufs is not None
     be._bufs.per_batch = 1
-    assert be._bufs.read_sets >= 3, "the ring must read more than one batch ahead here"
+    assert be._bufs.ring_sets >= 3, "the ring must read more than one batch ahead here"
     keys = get_storage_hash_str(RadixKey(array("q", range(PAGES * PAGE))), None, page_size=PAGE)
     assert isinstance(keys, list) and len(keys) == PAGES
     src = host.alloc(PAGES * PAGE)
@@ -97,3 +97,33 @@ def test_a_bad_page_in_a_later_batch_ends_the_restore_exactly_there(fault: str, 
         assert again == [True] * PAGES and all(torch.equal(a, b) for a, b in zip(pages, ref))
     be.close()
     assert be.batch_get_v1(keys, host.alloc(PAGES * PAGE)) == [False] * PAGES  # closed: no reads
+
+
+def test_written_behind_a_refused_batch_the_others_land_intact_and_the_call_says_false() -> None:
+    """Write-behind (writebehind.py) on the same ring: one page's store refused in a middle batch
+    fails the call (SGLang backs it up again later), while every other page, stored from a
+    buffer set the next batches were filled around, restores byte for byte."""
+    tier = DeviceGoneBad()
+    _, host = mha_pools("page_first")
+    be = KVTierStorage(storage_config("page_first"), {}, store=TieredStore([tier]))
+    be.register_mem_pool_host(host)
+    assert be._bufs is not None
+    be._bufs.per_batch = 1
+    keys = get_storage_hash_str(RadixKey(array("q", range(PAGES * PAGE))), None, page_size=PAGE)
+    assert isinstance(keys, list)
+    tier.fail_puts(store_keys(be.namespace, keys[5:6])[0])
+    src = host.alloc(PAGES * PAGE)
+    fill_random(host, seed=12)
+    ref = pages_of(host, src, PAGE)
+    assert be.batch_set_v1(keys, src) == [False] * PAGES
+    assert be.kvtier_stats()["set_errors"] == 1
+    tier.heal()
+    assert be.batch_exists(keys) == 5
+    got, pages = restore(host, be, keys)
+    assert got == [True] * 5 + [False] * (PAGES - 5)  # the hole ends the prefix
+    assert all(torch.equal(pages[i], ref[i]) for i in range(5))
+    fill_random(host, seed=12)  # restore() zeroed the pool: the same pages in src again
+    assert be.batch_set_v1(keys, src) == [True] * PAGES  # backed up again: the hole is filled
+    got, pages = restore(host, be, keys)
+    assert got == [True] * PAGES and all(torch.equal(a, b) for a, b in zip(pages, ref))
+    be.close()
