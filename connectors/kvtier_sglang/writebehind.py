@@ -7,9 +7,11 @@ One after the other, the CPU copying and the kernel writing (page-cache allocati
 device under O_DIRECT) never overlap. So the calling thread fills the batches into a ring of
 buffer sets (buffers.py) and each filled batch is stored on an I/O thread while the next is
 filled. Measured 2026-12-06 (2-core AMD EPYC VM, 4 MiB pages, ``bench/e2e_sglang.py --tiers
-disk,disk-buffered --repeats 4``, medians): buffered disk writes ~1.9-2.3 GB/s before, 2.52 and
-2.81 with up to three stores in flight; with one store in flight (stores kept in order) 2.57
-and 2.16. O_DIRECT writes stay at the device's speed (0.46-0.68 GB/s raw at any depth here).
+disk,disk-buffered --repeats 4``, medians, same-VM pairs before -> after, run alternately):
+O_DIRECT disk writes 0.70 -> 0.93, 0.83 -> 0.95, and with the page cache dropped before each
+run 0.65 -> 1.01 and 0.72 -> 0.92 GB/s; buffered 2.24 -> 1.16, 1.61 -> 3.00, 2.28 -> 2.93 and
+2.11 -> 2.41 GB/s (page-cache writeback makes these swing). Keeping one store in flight (stores
+in order) gained less in a trial: buffered 2.57 and 2.16 GB/s.
 
 Order: stores of different batches may run at once and end in any order. The tiers and the
 eviction policies take that: each put is atomic under its tier's lock, and the prefix-aware
