@@ -94,7 +94,10 @@ def test_connector_reports_reach_the_cluster_once_and_survive_restarts(
         restored = sum(r.restored_tokens for r in results)
         assert results[1].restored_tokens == 89 and restored == 89  # the second run restores from the nodes
 
-        doc = wait_for("reports on /api/cluster", lambda: (e := engines(a))["totals"]["prompt_tokens"] == prompt and e)
+        # Both nodes' copies of the report: the totals can be complete (one node's copy
+        # counts) before the second node's copy has arrived under a loaded machine.
+        doc = wait_for("reports on /api/cluster from both nodes", lambda: (e := engines(a))["totals"]["prompt_tokens"]
+                       == prompt and [r["nodes"] for r in e["replicas"]] == [["node-a", "node-b"]] and e)
         t = doc["totals"]
         assert (t["hit_tokens"], t["prefill_tokens_saved"], t["restored_tokens"]) == (restored, restored, restored)
         assert t["hits_per_tier"] == {"grpc": restored} and t["hit_ratio"] == pytest.approx(restored / prompt)
