@@ -27,9 +27,10 @@ so ``copy`` sees exactly the leading verified pages, in order. A read past a mis
 device time: SGLang asks to read pages ``batch_exists`` has just found.
 
 Threads: ``copy`` runs on the calling thread; ``load`` runs on ``pool`` (the backend's
-:class:`~kvtier_sglang.iothreads.IOThreads`). Every ``load`` has ended before :func:`read_ahead` returns or raises, so no
-read writes into a buffer its owner has taken back. ``load`` may raise: the exception reaches the
-caller after the other loads in flight have ended.
+:class:`~kvtier_sglang.iothreads.IOThreads`). Every ``load`` has ended before
+:func:`read_ahead` returns or raises, so no read writes into a buffer its owner has taken
+back. ``load`` may raise: the exception reaches the caller after the other loads in flight
+have ended.
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ class DeviceGoneBad(FaultyTier):
         return super().get_into(keys, outs)
 
 
-def backend(tier: FaultyTier) -> tuple[Any, KVTierStorage, list[str], list[torch.Tensor]]:
-    """A backend over ``tier`` alone, one page per batch and its ring of sets reading ahead,
-    holding ``PAGES`` random pages; returns (host pool, backend, keys, the pages)."""
+def empty_backend(tier: FaultyTier) -> tuple[Any, KVTierStorage, list[str]]:
+    """A backend over ``tier`` alone, one page per batch and a ring of sets reading ahead and
+    writing behind; returns (host pool, backend, the keys of ``PAGES`` pages)."""
     _, host = mha_pools("page_first")
     be = KVTierStorage(storage_config("page_first"), {}, store=TieredStore([tier]))
     be.register_mem_pool_host(host)
@@ -53,6 +53,13 @@ def backend(tier: FaultyTier) -> tuple[Any, KVTierStorage, list[str], list[torch
     assert be._bufs.ring_sets >= 3, "the ring must read more than one batch ahead here"
     keys = get_storage_hash_str(RadixKey(array("q", range(PAGES * PAGE))), None, page_size=PAGE)
     assert isinstance(keys, list) and len(keys) == PAGES
+    return host, be, keys
+
+
+def backend(tier: FaultyTier) -> tuple[Any, KVTierStorage, list[str], list[torch.Tensor]]:
+    """:func:`empty_backend` holding ``PAGES`` random pages; returns (host pool, backend,
+    keys, the pages)."""
+    host, be, keys = empty_backend(tier)
     src = host.alloc(PAGES * PAGE)
     fill_random(host, seed=11)
     ref = pages_of(host, src, PAGE)
@@ -104,13 +111,7 @@ def test_written_behind_a_refused_batch_the_others_land_intact_and_the_call_says
     fails the call (SGLang backs it up again later), while every other page, stored from a
     buffer set the next batches were filled around, restores byte for byte."""
     tier = DeviceGoneBad()
-    _, host = mha_pools("page_first")
-    be = KVTierStorage(storage_config("page_first"), {}, store=TieredStore([tier]))
-    be.register_mem_pool_host(host)
-    assert be._bufs is not None
-    be._bufs.per_batch = 1
-    keys = get_storage_hash_str(RadixKey(array("q", range(PAGES * PAGE))), None, page_size=PAGE)
-    assert isinstance(keys, list)
+    host, be, keys = empty_backend(tier)
     tier.fail_puts(store_keys(be.namespace, keys[5:6])[0])
     src = host.alloc(PAGES * PAGE)
     fill_random(host, seed=12)
