@@ -14,6 +14,7 @@ import pytest
 from kvtier.chunk import decode_chunk
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.errors import ChunkError
+from kvtier.tiers import cpu as cpu_module
 from kvtier.tiers.base import ABSENT, EVICTED, NODE_DOWN, TIMEOUT, Entry, Miss, Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
@@ -147,34 +148,30 @@ def test_cpu_pins_and_evict_listener() -> None:
     assert tier.check() == []
 
 
-def test_cpu_slot_being_read_is_not_reused() -> None:
+def test_cpu_slot_being_read_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader's slot survives eviction until the reader leaves (reader count + retire)."""
     tier = cpu(SLOT)
     a, b = key_of("ra"), key_of("rb")
     tier.put([Entry(a, chunk_for(a))])
     started, release = threading.Event(), threading.Event()
+    copy = cpu_module.copy_into
 
-    class SlowBuffer:
-        """A destination whose write blocks, holding the read of ``a`` open."""
+    def slow_copy(dst: memoryview, src: memoryview) -> None:
+        """The read's copy out of the slot, held open until released."""
+        started.set()
+        release.wait(10)
+        copy(dst, src)
 
-        def __init__(self) -> None:
-            self.data = bytearray(CHUNK)
-            self.nbytes = CHUNK
-
-        def __setitem__(self, index: slice, value: memoryview) -> None:
-            started.set()
-            release.wait(10)
-            self.data[index] = value
-
-    out = SlowBuffer()
-    reader = threading.Thread(target=lambda: tier.get_into([a], [out]))  # type: ignore[list-item]
+    monkeypatch.setattr(cpu_module, "copy_into", slow_copy)
+    out = bytearray(CHUNK)
+    reader = threading.Thread(target=lambda: tier.get_into([a], [memoryview(out)]))
     reader.start()
     assert started.wait(10)
     assert tier.put([Entry(b, chunk_for(b))]) == [False]  # the only slot is retired, not free
     assert tier.check() == []
     release.set()
     reader.join(10)
-    assert bytes(out.data) == chunk_for(a)
+    assert bytes(out) == chunk_for(a)
     assert tier.put([Entry(b, chunk_for(b))]) == [True]
     assert tier.get([a, b]) == [Miss(EVICTED), chunk_for(b)]
     assert tier.check() == []

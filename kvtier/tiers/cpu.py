@@ -17,7 +17,8 @@ Threads
     reader count, and a slot evicted, deleted or overwritten while read is *retired* (no new
     reader can find it) and goes back to the free list when its last reader leaves. So a reader
     never sees a slot reused under it, and one thread's copy never blocks another thread's
-    lookups (the copy itself is a memcpy under the GIL).
+    lookups. ``put`` and ``get_into`` copy with :func:`kvtier.memcopy.copy_into`, which releases
+    the GIL for large chunks: threads (kvtier-server's connections) copy at once, not in turn.
 Lazy arena (``lazy=True``, kvtier-server)
     For an owner that shares one RAM budget among several tiers: the arena (pageable,
     ``pin_memory="never"``) is *not* pre-touched (a slot's pages are faulted in by the first
@@ -55,6 +56,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.config import CpuTierConfig
+from kvtier.memcopy import copy_into
 from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.arena_pages import remove_pages
 from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys, leading_run
@@ -237,7 +239,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
                 if length > out.nbytes:
                     raise ValueError(f"buffer of {out.nbytes} bytes is too small for a {length}-byte chunk")
                 off = slot * slot_bytes
-                out[:length] = arena[off : off + length]
+                copy_into(out[:length], arena[off : off + length])  # the GIL released meanwhile
                 results.append(length)
             finally:
                 with self._lock:
@@ -286,7 +288,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
 
         def copy(dst: memoryview) -> None:
-            dst[:] = src
+            copy_into(dst, src)  # the GIL released meanwhile: other threads' copies run at once
 
         return self._put(e.key, len(src), copy, e.depth, e.parent, evicted)
 
