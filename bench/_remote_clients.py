@@ -15,6 +15,7 @@ from typing import Any
 from _loopback import LoopbackClient
 
 BATCH_BYTES = 8 << 20
+ROTATION = 4  # batches an "evicting" client puts in turn (bench/remote.py's server holds 2 per client)
 TENANT_TOKEN = "bench-token-{:06d}"  # the many-tenant server's tokens (bench/remote.py)
 
 
@@ -41,11 +42,20 @@ class _Client:
             from kvtier.tiers.base import Entry
             from kvtier.tiers.remote import GrpcTier
 
-            many = path == "tenants"  # the many-tenant server, as tenant 0 (socket path)
+            # "tenants": the many-tenant server, as tenant 0; "evicting": the full server
+            node, data_path = {"tenants": ("kvtier_tenants", "socket"),
+                               "evicting": ("kvtier_evicting", "shm")}.get(path, ("kvtier", path))
             self.tier = GrpcTier(GrpcTierConfig(
-                enabled=True, nodes=(addr["kvtier_tenants" if many else "kvtier"],),
-                data_path="socket" if many else path, timeout_s=60, token=TENANT_TOKEN.format(0) if many else ""))
-            self.entries = [Entry(k, v) for k, v in zip(self.keys, self.values)]
+                enabled=True, nodes=(addr[node],), data_path=data_path, timeout_s=60,
+                token=TENANT_TOKEN.format(0) if path == "tenants" else ""))
+            entries = [Entry(k, v) for k, v in zip(self.keys, self.values)]
+            # put() sends these in turn: "evicting" has ROTATION batches of distinct keys, more
+            # than its server holds, so every chunk put is new there and evicts an older one
+            self.batches = [entries] if path != "evicting" else [
+                [Entry(k, bytes(encode_chunk(b"\0" * 32, k, "uint8", (1, 1, size, 1, 1),
+                                              np.frombuffer(v, np.uint8)[-size:])))
+                 for k, v in ((_key(wid, size, r, i), self.values[i]) for i in range(n))] for r in range(ROTATION)]
+            self.turn = 0
             self.outs = [memoryview(bytearray(len(v))) for v in self.values]
         elif system == "redis":
             import redis
@@ -75,7 +85,8 @@ class _Client:
 
     def put(self) -> None:
         if self.system == "kvtier":
-            assert all(self.tier.put(self.entries))
+            self.turn = (self.turn + 1) % len(self.batches)
+            assert all(self.tier.put(self.batches[self.turn]))
         elif self.system == "redis":
             self.redis.mset(self.mapping)
         elif self.system == "lmcache":

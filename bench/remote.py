@@ -38,7 +38,11 @@ values (4 clients read 32 MiB of distinct bytes), and read with ``MSG_WAITALL`` 
 ``socket_put_128_tenants_vs_1``: the same socket PUT to a second kvtier-server with 128
 tenants (tokens file; the clients use the first), against the one-tenant server: a
 per-request cost that grows with the tenant count shows here (the RAM budget check once read
-every tenant's usage on every PUT); 1.0 is the target.
+every tenant's usage on every PUT); 1.0 is the target. ``shm_put_evicting_vs_rewriting``: the
+shm PUT of chunks new to a third kvtier-server (LRU, room for two batches per client; each
+client puts four batches of distinct keys in turn), so every chunk evicts an older one, the
+steady state of a full cache, against the shm PUT that rewrites the same keys (the headline
+put, which reuses each key's own slot); 1.0 is the target.
 ``socket_{get,put}_vs_lmcache`` and ``shm_get_vs_lmcache`` compare with LMCache's ``lm://``
 server driven by the same workers (pipelined GETs into preallocated buffers;
 bench/peer_lmcache.py), skipped with a message when lmcache is not installed (not a CI
@@ -77,7 +81,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from _lookup_latency import PATHS, measure_lookups, summary
 from _loopback import serve
-from _remote_clients import TENANT_TOKEN, worker
+from _remote_clients import BATCH_BYTES, TENANT_TOKEN, worker
 from _small_requests import measure_small, small_summary
 from _stats import Stats, fmt
 
@@ -87,13 +91,14 @@ TENANTS = 128  # the many-tenant server's tenant count
 
 
 # --- orchestration ------------------------------------------------------------------------------
-def start_kvtier(work: Path, tenants: int = 0) -> tuple[subprocess.Popen[bytes], str]:
-    """A kvtier-server (RAM tier); ``tenants`` > 0: with a tokens file of that many tenants."""
-    ready = work / f"ready-{tenants}.json"
+def start_kvtier(work: Path, tenants: int = 0, slots: int = 600, name: str = "") -> tuple[subprocess.Popen[bytes], str]:
+    """A kvtier-server (RAM tier of ``slots`` 1 MiB chunks; LRU where ``name`` is given);
+    ``tenants`` > 0: with a tokens file of that many tenants."""
+    ready = work / f"ready-{tenants}{name}.json"
     slot = (1 << 20) + 4096  # a 1 MiB payload plus its 128-byte header
     cmd = [sys.executable, "-m", "kvtier.server.main", "--port", "0", "--http-port", "-1", "--data-port", "0",
-           "--cpu-bytes", str(600 * slot), "--slot-bytes", str(slot), "--ready-file", str(ready),
-           "--log-level", "WARNING"]
+           "--cpu-bytes", str(slots * slot), "--slot-bytes", str(slot), "--ready-file", str(ready),
+           "--log-level", "WARNING", *(("--set", "cpu.policy=lru") if name else ())]
     if tenants:
         tokens = work / "tokens"
         tokens.write_text("".join(f"{TENANT_TOKEN.format(i)} tenant{i}\n" for i in range(tenants)))
@@ -159,7 +164,7 @@ def run_plan(quick: bool, tuned: bool, lmcache: bool = False) -> dict[tuple[str,
     extra = [("kvtier", "shm", "get_into"), ("kvtier", "socket", "get_into"), ("kvtier", "grpc", "put"),
              ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
              ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get"),
-             ("tcp", "hot", "put"), ("tcp", "hot", "get"), ("kvtier", "tenants", "put"),
+             ("tcp", "hot", "put"), ("tcp", "hot", "get"), ("kvtier", "tenants", "put"), ("kvtier", "evicting", "put"),
              ("memcpy", "two", "get")]
     extra += [("lmcache", "-", "put"), ("lmcache", "-", "get")] if lmcache else []
     plan = {}
@@ -194,6 +199,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtier-remote-bench-"))
     kv_proc, kv_addr = start_kvtier(work)
     many_proc, many_addr = start_kvtier(work, TENANTS)
+    # Two batches per client: each "evicting" put (ROTATION batches in turn) evicts older chunks.
+    evict_proc, evict_addr = start_kvtier(work, slots=2 * max(CLIENTS) * BATCH_BYTES // (1 << 20), name="evicting")
     tcp_proc, tcp_port = start_tcp(work)
     rs = RedisServer().start()
     from peer_lmcache import lmcache_python, start_server
@@ -213,7 +220,8 @@ def main() -> None:
         lookups = measure_lookups(kv_addr, lookup_calls)
         for path in PATHS:
             print(f"lookup 16 keys {path:27s} {fmt(lookups[path], 'us', 0)}", flush=True)
-        addr = {"kvtier": kv_addr, "kvtier_tenants": many_addr, "redis": rs.port, "tcp": tcp_port}
+        addr = {"kvtier": kv_addr, "kvtier_tenants": many_addr, "kvtier_evicting": evict_addr, "redis": rs.port,
+                "tcp": tcp_port}
         small = measure_small(addr, 5 if args.quick else 15)
         for name, us in small.items():
             print(f"small {name:37s} {fmt(us, 'us', 0)} per 8 x 4 KiB request", flush=True)
@@ -243,7 +251,7 @@ def main() -> None:
             p.send(None)
         for proc in procs:
             proc.join(10)
-        for server in (kv_proc, many_proc):
+        for server in (kv_proc, many_proc, evict_proc):
             server.terminate()
             server.wait(20)
         tcp_proc.terminate()
@@ -305,6 +313,9 @@ def main() -> None:
         "shm_get_vs_lmcache": ("kvtier-shm get_into", "lmcache get"),
         # the same socket PUT to a server with TENANTS tenants against the one-tenant server
         f"socket_put_{TENANTS}_tenants_vs_1": ("kvtier-tenants put", "kvtier-socket put"),
+        # the shm PUT of new chunks into a full server (each evicts an older one) against the
+        # shm PUT rewriting the same keys (each takes its own old slot back)
+        "shm_put_evicting_vs_rewriting": ("kvtier-evicting put", "kvtier-shm put"),
     }
     out: dict[str, Any] = {key: ratio(a + at, b + at) for key, (a, b) in pairs.items()}
     out.update({
