@@ -24,7 +24,9 @@ Last line: one JSON object. Headline ratios, like for like at 1 MiB x 4 clients:
 same loopback socket as the baseline's), ``shm_{get,put}_vs_memcpy`` (the shm path against
 its own ceiling). The ceilings receive into a buffer made once, so ``socket_get_vs_tcp``
 includes the fresh ``bytes`` kvtier's ``get`` allocates; ``socket_get_into_vs_tcp`` and
-``shm_get_into_vs_memcpy`` compare buffer with buffer. ``shm_*_vs_redis`` / ``shm_*_vs_tcp`` are what the old headline keys
+``shm_get_into_vs_memcpy`` compare buffer with buffer, of the same kind (kvtier's targets lie
+back to back in one page-aligned numpy buffer, as the ceilings' batch does: transparent huge
+pages where the kernel gives them). ``shm_*_vs_redis`` / ``shm_*_vs_tcp`` are what the old headline keys
 ``get_vs_redis`` ... measured (the client's default path on loopback is shm, whose bytes never
 cross a socket): kept, named for what they compare; ``*_vs_tcp_asyncio`` and
 ``tcp_asyncio_*_vs_tcp`` keep the old single-threaded asyncio baseline in view;
