@@ -49,8 +49,12 @@ class _Client:
         self.system, self.path, self.size = system, path, size
         self.keys = [_key(wid, size, i) for i in range(n)]
         rng = np.random.default_rng(wid)
-        self.values = [bytes(encode_chunk(b"\0" * 32, k, "uint8", (1, 1, size, 1, 1),
-                                          rng.integers(0, 255, size, dtype=np.uint8))) for k in self.keys]
+        payloads = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(n)]
+
+        def chunk(key: bytes, payload: Any) -> bytes:
+            return bytes(encode_chunk(b"\0" * 32, key, "uint8", (1, 1, size, 1, 1), payload))
+
+        self.values = [chunk(k, p) for k, p in zip(self.keys, payloads)]
         self.nbytes = sum(len(v) for v in self.values)
         if system == "kvtier":
             from kvtier.config import GrpcTierConfig
@@ -63,13 +67,12 @@ class _Client:
             self.tier = GrpcTier(GrpcTierConfig(
                 enabled=True, nodes=(addr[node],), data_path=data_path, timeout_s=60,
                 token=TENANT_TOKEN.format(0) if path == "tenants" else ""))
-            entries = [Entry(k, v) for k, v in zip(self.keys, self.values)]
             # put() sends these in turn: "evicting" has ROTATION batches of distinct keys, more
             # than its server holds, so every chunk put is new there and evicts an older one
-            self.batches = [entries] if path != "evicting" else [
-                [Entry(k, bytes(encode_chunk(b"\0" * 32, k, "uint8", (1, 1, size, 1, 1),
-                                              np.frombuffer(v, np.uint8)[-size:])))
-                 for k, v in ((_key(wid, size, r, i), self.values[i]) for i in range(n))] for r in range(ROTATION)]
+            self.batches = [[Entry(k, v) for k, v in zip(self.keys, self.values)]]
+            if path == "evicting":
+                self.batches = [[Entry(k, chunk(k, p)) for k, p in
+                                 zip((_key(wid, size, r, i) for i in range(n)), payloads)] for r in range(ROTATION)]
             self.turn = 0
             self.outs = _receive_buffers(self.values)
         elif system == "redis":

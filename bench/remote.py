@@ -93,14 +93,14 @@ TENANTS = 128  # the many-tenant server's tenant count
 
 
 # --- orchestration ------------------------------------------------------------------------------
-def start_kvtier(work: Path, tenants: int = 0, slots: int = 600, name: str = "") -> tuple[subprocess.Popen[bytes], str]:
-    """A kvtier-server (RAM tier of ``slots`` 1 MiB chunks; LRU where ``name`` is given);
+def start_kvtier(work: Path, tenants: int = 0, slots: int = 600, lru: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """A kvtier-server (RAM tier of ``slots`` 1 MiB chunks, ``lru``: with the LRU policy);
     ``tenants`` > 0: with a tokens file of that many tenants."""
-    ready = work / f"ready-{tenants}{name}.json"
+    ready = work / f"ready-{tenants}-{slots}-{lru}.json"
     slot = (1 << 20) + 4096  # a 1 MiB payload plus its 128-byte header
     cmd = [sys.executable, "-m", "kvtier.server.main", "--port", "0", "--http-port", "-1", "--data-port", "0",
            "--cpu-bytes", str(slots * slot), "--slot-bytes", str(slot), "--ready-file", str(ready),
-           "--log-level", "WARNING", *(("--set", "cpu.policy=lru") if name else ())]
+           "--log-level", "WARNING", *(("--set", "cpu.policy=lru") if lru else ())]
     if tenants:
         tokens = work / "tokens"
         tokens.write_text("".join(f"{TENANT_TOKEN.format(i)} tenant{i}\n" for i in range(tenants)))
@@ -202,7 +202,7 @@ def main() -> None:
     kv_proc, kv_addr = start_kvtier(work)
     many_proc, many_addr = start_kvtier(work, TENANTS)
     # Two batches per client: each "evicting" put (ROTATION batches in turn) evicts older chunks.
-    evict_proc, evict_addr = start_kvtier(work, slots=2 * max(CLIENTS) * BATCH_BYTES // (1 << 20), name="evicting")
+    evict_proc, evict_addr = start_kvtier(work, slots=2 * max(CLIENTS) * BATCH_BYTES // (1 << 20), lru=True)
     tcp_proc, tcp_port = start_tcp(work)
     rs = RedisServer().start()
     from peer_lmcache import lmcache_python, start_server

@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 def test_evicting_puts_are_new_chunks_that_evict_older_ones(tmp_path: Path) -> None:
     per_batch = BATCH_BYTES // MiB
-    proc, addr = start_kvtier(tmp_path, slots=2 * per_batch, name="evicting")  # two batches' room
+    proc, addr = start_kvtier(tmp_path, slots=2 * per_batch, lru=True)  # two batches' room
     client = _Client("kvtier", "evicting", {"kvtier_evicting": addr}, 0, MiB)
     probe = GrpcTier(GrpcTierConfig(enabled=True, nodes=(addr,), data_path="socket", timeout_s=30))
     try:

@@ -56,6 +56,6 @@ class ThreadBuffers:
         return have[:want]
 
     def sets(self, n: int) -> list[list[memoryview]]:
-        """The ring the read-ahead and write-behind use: :attr:`ring_sets` disjoint sets of ``min(n, per_batch)``
-        buffers each."""
+        """The ring the read-ahead and write-behind use: :attr:`ring_sets` disjoint sets of
+        ``min(n, per_batch)`` buffers each."""
         return [self.batch(n, which) for which in range(self.ring_sets)]

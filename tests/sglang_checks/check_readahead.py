@@ -1,7 +1,8 @@
 """KVTierStorage's read-ahead and write-behind (readahead.py, writebehind.py) on SGLang's real
-host pool. With one page per batch and several batches read ahead, a page that is corrupt, missing or whose read
-raises in a later batch ends the restore exactly there. The pages before it are restored
-exactly, none after it is copied (read ahead or not), nothing reaches SGLang's thread.
+host pool. With one page per batch and several batches read ahead, a page that is corrupt,
+missing or whose read raises in a later batch ends the restore exactly there. The pages before
+it are restored exactly, none after it is copied (read ahead or not), nothing reaches SGLang's
+thread.
 
 Runs in the SGLang venv only (started by tests/test_sglang.py).
 """
