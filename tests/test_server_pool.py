@@ -279,3 +279,36 @@ def test_a_put_run_reserves_only_what_the_ram_budget_still_holds() -> None:
         assert quiet.get(keys) == chunks  # nothing the other tenant holds was touched
     finally:
         storage.close()
+
+
+def test_a_tenant_at_its_cap_puts_through_spare_slots() -> None:
+    """A tenant whose own RAM tier is full (its quota) still gets a reservation while the
+    budget is full: a spare slot beyond its cap (kvtier.tiers.cpu, "Spare slots"), one per
+    run at a time. An aborted one evicts nothing; a committed one evicts the tenant's own
+    oldest chunk, never another tenant's, and the budget holds."""
+    slot = 64 << 10
+    storage = Storage([Tenant("capped", quota_bytes=32 * slot), Tenant("other")],
+                      CpuTierConfig(capacity_bytes=64 * slot, slot_bytes=slot, policy="lru"),
+                      DiskTierConfig(enabled=False))
+    capped, other = storage.store("capped"), storage.store("other")
+    pool = capped.ram_pool
+    assert pool is not None and capped.ram is not None and capped.ram.spare_slots == 2
+    try:
+        mine, theirs = make_keys(33, seed=5), make_keys(32, seed=6)
+        data = {k: make_chunk(k, slot - 128, seed=i) for i, k in enumerate(mine + theirs)}  # whole slots
+        assert other.put([Entry(k, data[k]) for k in theirs]) == [True] * 32
+        assert capped.put([Entry(k, data[k]) for k in mine[:32]]) == [True] * 32
+        assert capped.ram.full and not pool.fits(slot)
+        run = capped.reserve_many(slot, 8)
+        assert len(run) == 1  # spares are shared by the tenant's connections
+        capped.abort(run[0])
+        assert capped.probe(mine[:32]).hits == 32  # nothing evicted for it
+        res = capped.reserve(len(data[mine[32]]))
+        assert res is not None
+        res.view[:] = data[mine[32]]
+        assert capped.commit(res, Entry(mine[32], res.view))
+        assert capped.probe([mine[0]]).hits == 0 and capped.get(mine[1:]) == [data[k] for k in mine[1:]]
+        assert other.get(theirs) == [data[k] for k in theirs]
+        assert pool.used() <= 64 * slot and storage.check() == []
+    finally:
+        storage.close()

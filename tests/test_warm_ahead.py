@@ -281,3 +281,33 @@ def test_server_warms_ahead_and_shows_it(tmp_path: Path) -> None:
         assert "kvtier_server_ram_warm" not in off.metrics()
     finally:
         assert off.stop() == 0, off.log
+
+
+def test_a_full_tiers_spare_slots_stay_warm() -> None:
+    """A tier at its capacity puts through its spare slots (kvtier.tiers.cpu, "Spare slots"),
+    each commit keeping its victim's slot warm for the next put. With the budget full the
+    thread gives warm slots back only beyond the tiers' spares: the spare's pages stay
+    resident (mincore), so puts into a full tier do not fault. Without the allowance it
+    gives them back at the next wake-up."""
+    t = CpuTier(CpuTierConfig(capacity_bytes=16 * SLOT, slot_bytes=SLOT, pin_memory="never", policy="lru"),
+                lazy=True, spare_slots=2)
+    pool = SharedPool(16 * SLOT, {"a": t}, {"a": 16 * SLOT})
+    wa = WarmAhead([t], pool, reserve_bytes=4 * SLOT)
+    try:
+        for i in range(16):
+            assert t.put([Entry(key(i), chunk(i))]) == [True]
+        for i in range(16, 40):
+            data = chunk(i)
+            res = t.reserve(len(data))
+            assert res is not None
+            res.view[:] = data
+            assert t.commit(res, key(i))
+        assert pool.room() < SLOT <= t.warm_bytes  # no room in the budget for a warm slot
+        warm = list(t._warm)
+        wa._fill([])  # what the thread does when woken (a cold take wakes it)
+        assert t._warm == warm and all(resident_pages(t, s) == t.slot_bytes // PAGE for s in warm)
+        assert t.get([key(i) for i in range(24, 40)]) == [chunk(i) for i in range(24, 40)]
+        assert t.check() == []
+    finally:
+        wa.close()
+        t.close()

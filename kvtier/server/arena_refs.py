@@ -44,7 +44,7 @@ def reader_fd(store: TenantStore) -> tuple[int, int]:
     if ram is None or not ram.shared:
         return -1, 0
     try:
-        return ram.reader_fd(), ram.capacity_bytes
+        return ram.reader_fd(), ram.arena_bytes  # spare slots included: a chunk may lie in one
     except OSError as exc:
         log.warning("data path: the arena cannot be shared (%s); GETs copy into the segment", exc)
         return -1, 0

@@ -17,8 +17,9 @@ PUT batches are all or nothing, as on the gRPC side: items are checked as they a
 one is refused the chunks this batch newly stored are removed again and the reply is one
 ERROR, so a refused batch leaves nothing behind (chunks that were there before stay).
 On a RAM-only store a PUT's chunk is received straight into a RAM slot reserved for it
-(:class:`kvtier.server.put_run.DirectPut`; published only once verified), so the kernel's
-copy is the only one; on plain TCP a PUT batch's frames are received in runs by a C loop
+(:class:`kvtier.server.put_run.DirectPut`; published only once verified, and only then
+evicting where RAM is full: kvtier.tiers.cpu, "Spare slots"), so the kernel's copy is the
+only one; on plain TCP a PUT batch's frames are received in runs by a C loop
 (:class:`kvtier.server.put_run.PutRuns`).
 GET replies are :mod:`kvtier.server.data_get`'s (RAM hits sent from the arena, no copy).
 LOOKUP answers as the gRPC ``Lookup`` does (the tenant store's probe, counted as a client

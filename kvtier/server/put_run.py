@@ -18,8 +18,9 @@ copied. Without it, each such item cost the server a frame read, a copy call and
 each a GIL hand-off, and four connections queued on the GIL with the CPU a third idle
 (bench/remote.py, ``shm_put_vs_memcpy``).
 
-Only plain TCP connections to a store that takes direct puts (RAM only) use it; TLS and a
-store that would have to evict keep the frame-by-frame path, as does any frame the C loop
+Only plain TCP connections to a store that takes direct puts (RAM only) use it; TLS, and a
+store with no free slot to reserve (a full RAM tier lends its spare slots, one per run:
+kvtier.tiers.cpu, "Spare slots"), keep the frame-by-frame path, as does any frame the C loop
 does not take (its header, or for a reference outside the segment, empty or larger than a
 slot, the whole frame, goes back to the frame reader, whose checks and messages stay the
 only ones). Where the extension is not built, or its hash does
@@ -87,8 +88,9 @@ def copy_into_slot(store: TenantStore, src: memoryview) -> tuple[Reservation, in
     """A shared-memory PUT's chunk copied into a RAM slot reserved for it, with the xxh3 of
     the copy's payload (hashed piece by piece right after each is copied, the GIL released:
     four connections copy at once, and what is verified is what is stored). The caller
-    verifies, then commits or aborts the slot. None where the C loop is not available or
-    the store has no slot for it without evicting: the caller verifies and puts as before."""
+    verifies, then commits (a spare slot's commit evicts) or aborts the slot. None where the
+    C loop is not available or the store has no free or spare slot for it: the caller
+    verifies and puts as before."""
     if _PUTLOOP is None:
         return None
     res = store.reserve(src.nbytes)

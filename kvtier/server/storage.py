@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
-from kvtier.server.auth import MIN_QUOTA_BYTES, Tenant
+from kvtier.server.auth import Tenant
 from kvtier.server.pool import SharedPool
+from kvtier.server.tenant_budget import spare_slots, tier_cap, tier_share
 from kvtier.server.traffic import TenantUsage, Traffic
 from kvtier.server.warm_ahead import WarmAhead
 from kvtier.tiers.base import Entry, Miss, Probe, Tier
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["Storage", "TenantStore", "TenantUsage", "Traffic"]
 
 log = logging.getLogger(__name__)
-MIN_TIER_BYTES = MIN_QUOTA_BYTES  # CpuTierConfig/DiskTierConfig lower bound; no quota is smaller
 
 
 class TenantStore:
@@ -198,24 +198,30 @@ class TenantStore:
     def reserve(self, nbytes: int) -> Reservation | None:
         """A free RAM slot for a chunk of ``nbytes`` the caller writes in place (the data path
         receives a PUT body straight into it); then :meth:`commit` or :meth:`abort`. Never
-        evicts (the chunk is not verified yet: a refused one must cost nothing). None when a
-        put here is more than a RAM put (a disk tier below, a subclass with ``direct_puts``
-        off), when it would take an eviction (no free slot, or the RAM pool is full) or the
-        chunk does not fit a slot: the caller then verifies first and uses :meth:`put`."""
+        evicts (the chunk is not verified yet: a refused one must cost nothing). A tenant
+        whose RAM tier is full gets one of its spare slots, and :meth:`commit` evicts one of
+        its own chunks for it (kvtier.tiers.cpu, "Spare slots"). None when a put here is more
+        than a RAM put (a disk tier below, a subclass with ``direct_puts`` off), when it
+        would take an eviction this tenant's tier cannot make at commit (no free or spare
+        slot; the RAM pool full while the tier is not) or the chunk does not fit a slot: the
+        caller then verifies first and uses :meth:`put`."""
         ram = self._direct_ram(nbytes)
-        if ram is None or (self.ram_pool is not None and not self.ram_pool.fits(nbytes)):
+        if ram is None or (self.ram_pool is not None and not ram.full and not self.ram_pool.fits(nbytes)):
             return None
         return ram.reserve(nbytes)
 
     def reserve_many(self, nbytes: int, most: int) -> list[Reservation]:
         """Up to ``most`` reservations of ``nbytes`` each (see :meth:`reserve`), no more than
-        fit together in the RAM pool's budget: the data path's PUT runs hold several at once.
+        fit together in the RAM pool's budget (one, a spare, where the tenant's tier is full):
+        the data path's PUT runs hold several at once.
         The budget is read once for the run (a pass over every tenant's usage: with many
         tenants, once per slot cost more than the slot)."""
         ram = self._direct_ram(nbytes)
         if ram is None:
             return []
-        if self.ram_pool is not None:
+        if ram.full:  # spare slots, shared by the tenant's connections: one each at a time
+            most = min(most, 1)
+        elif self.ram_pool is not None:
             most = min(most, max(0, self.ram_pool.room()) // max(1, nbytes))
         out: list[Reservation] = []
         while len(out) < most:
@@ -326,18 +332,18 @@ class Storage:
                 quota = tenant.quota_bytes or default_quota_bytes
                 ram = disk_tier = None
                 if cpu.enabled:
-                    cap = _cap(cpu.capacity_bytes, quota)
-                    ram_shares[tenant.name] = _share(cpu.capacity_bytes, n, quota)
+                    cap = tier_cap(cpu.capacity_bytes, quota)
+                    ram_shares[tenant.name] = tier_share(cpu.capacity_bytes, n, quota)
                     if cap < cpu.slot_bytes:
                         log.warning("tenant %r: its RAM (%d bytes) is smaller than cpu.slot_bytes (%d): "
                                     "its slots shrink to %d bytes and larger chunks are refused",
                                     tenant.name, cap, cpu.slot_bytes, cap)
-                    ram = CpuTier(dataclasses.replace(
-                        cpu, capacity_bytes=cap, slot_bytes=min(cpu.slot_bytes, cap), pin_memory="never"),
-                        name="cpu", lazy=True, shareable=shareable_ram)
+                    slot = min(cpu.slot_bytes, cap)
+                    ram = CpuTier(dataclasses.replace(cpu, capacity_bytes=cap, slot_bytes=slot, pin_memory="never"),
+                                  name="cpu", lazy=True, shareable=shareable_ram, spare_slots=spare_slots(cap // slot))
                 if disk.enabled:
-                    cap = _cap(disk.capacity_bytes, quota)
-                    disk_shares[tenant.name] = _share(disk.capacity_bytes, n, quota)
+                    cap = tier_cap(disk.capacity_bytes, quota)
+                    disk_shares[tenant.name] = tier_share(disk.capacity_bytes, n, quota)
                     path = Path(disk.path).expanduser() / "tenants" / tenant.name
                     disk_tier = DiskTier(dataclasses.replace(disk, path=str(path), capacity_bytes=cap),
                                          name="disk")
@@ -384,17 +390,3 @@ class Storage:
 
 def _nbytes(entry: Entry) -> int:
     return memoryview(entry.data).nbytes
-
-
-def _cap(capacity: int, quota: int) -> int:
-    """A tenant's tier capacity: its quota within the budget, or the whole budget."""
-    return max(MIN_TIER_BYTES, min(quota, capacity) if quota else capacity)
-
-
-def _share(capacity: int, tenants: int, quota: int) -> int:
-    """A tenant's guaranteed part of a budget: ``min(quota, capacity // tenants)``. Never
-    raised to a floor (a tier's capacity has one, MIN_TIER_BYTES; a share does not): the
-    shares must sum to at most the budget, or the pool lets the tenants together pass it
-    (with 1 MiB floors, 64 tenants on a 16 MiB budget were each guaranteed 1 MiB)."""
-    share = capacity // tenants
-    return min(quota, share) if quota else share

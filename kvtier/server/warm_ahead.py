@@ -121,10 +121,12 @@ class WarmAhead:
         """Warm the next free slots of ``tiers``, one slot each in turn (so tenants that put
         at once share the reserve), while the reserve and the budget have room; first, when
         the chunks held have grown into the room warm slots took, give slots back (the
-        tenant with the most warm first) until the warm ones fit again. True when it
-        stopped for want of room in the budget."""
+        tenant with the most warm first) until the warm ones fit again, the tiers' spare
+        slots aside (a full tier's puts reuse their victims' slots: kvtier.tiers.cpu, "Spare
+        slots"). True when it stopped for want of room in the budget."""
+        spare = sum(t.spare_slots * t.slot_bytes for t in self.tiers)
         while not self._stop:
-            excess = self.warm_bytes() - max(0, self.pool.room())
+            excess = self.warm_bytes() - max(0, self.pool.room()) - spare
             if excess <= 0 or not max(self.tiers, key=lambda t: t.warm_bytes).cool_one():
                 break
         starved = False

@@ -10,6 +10,13 @@ Capacity is ``capacity_bytes // slot_bytes`` slots; a chunk larger than one slot
 decided by slots (a slot holds one chunk whatever its length), so size ``slot_bytes`` to the
 largest chunk the engine writes.
 
+Spare slots (``spare_slots``, kvtier-server)
+    Slots beyond the capacity, only ever held by a put in flight: a full tier can still hand a
+    slot to a chunk being received or copied (``reserve``), verified there, and evict for it
+    only at ``commit`` (the tier never holds more than ``capacity_bytes // slot_bytes``
+    chunks). So a chunk that is refused costs nothing, and a put into a full tier is one pass
+    over its bytes. Memory: up to ``spare_slots`` more slots resident while puts run.
+
 Threads
     Metadata (key map, free list, policy, ghosts) changes under the TierBase lock; the big
     copies run outside it. A slot being copied into by ``put`` is invisible until the copy is
@@ -72,7 +79,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
     lazily backed arena (see "Lazy arena" there)."""
 
     def __init__(self, config: CpuTierConfig | None = None, name: str = "cpu", *, lazy: bool = False,
-                 shareable: bool = False) -> None:
+                 shareable: bool = False, spare_slots: int = 0) -> None:
         super().__init__()
         config = config or CpuTierConfig()
         if config.slot_bytes < 1 or config.capacity_bytes < config.slot_bytes:
@@ -87,8 +94,10 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         self.slot_bytes = config.slot_bytes
         self.slots = config.capacity_bytes // config.slot_bytes
         self.capacity_bytes = self.slots * self.slot_bytes
+        self.spare_slots = max(0, spare_slots)
+        self.arena_bytes = (self.slots + self.spare_slots) * self.slot_bytes
         self.policy = make_policy(config.policy)
-        self._owner, self.shared = allocate_arena(self.capacity_bytes, config, self.slot_bytes, lazy,
+        self._owner, self.shared = allocate_arena(self.arena_bytes, config, self.slot_bytes, lazy,
                                                    shareable, name)
         self._arena, self.pinned = self._owner.view, self._owner.pinned
         # Pre-touch: one write per page so the first put does not take page faults.
@@ -100,10 +109,11 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         if lazy:  # fail here, not at the first eviction, should the kernel refuse the madvise
             remove_pages(self._base, mmap.PAGESIZE, self.shared)
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
-        self._free: list[int] = list(range(self.slots - 1, -1, -1))  # pop() takes slot 0 first
+        physical = self.slots + self.spare_slots
+        self._free: list[int] = list(range(physical - 1, -1, -1))  # pop() takes slot 0 first
         # Free slots that kept their pages for a put about to come (taken before ``_free``).
         self._warm: list[int] = []
-        self._readers = [0] * self.slots
+        self._readers = [0] * physical
         self._writing: set[int] = set()  # slots handed to an in-flight put copy
         self._retired: set[int] = set()  # unmapped slots still being read
         self._used = 0
@@ -302,7 +312,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         except BaseException:
             self.abort(res)
             raise
-        return self._commit(res, key, depth, parent)
+        return self._commit(res, key, depth, parent, evicted)
 
     def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool) -> Reservation | None:
         with self._lock:
@@ -319,13 +329,20 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         off = slot * self.slot_bytes
         return Reservation(slot, self._arena[off : off + length])
 
-    def _commit(self, res: Reservation, key: bytes, depth: int, parent: bytes) -> bool:
+    def _commit(self, res: Reservation, key: bytes, depth: int, parent: bytes,
+                evicted: list[tuple[bytes, bytes]]) -> bool:
         slot, length = res.slot, res.view.nbytes
         with self._lock:
             self._writing.discard(slot)
             if self._closed:
                 self._free_slot(slot)
                 return False
+            # A spare slot was taken: the chunk is verified now, so the eviction it needs
+            # happens here (its victim's slot kept warm for the next put), never for a refusal.
+            while len(self._map) - (key in self._map) >= self.slots:
+                if self._evict_one(evicted, self.evict_listener is not None, reuse=True) is None:
+                    self._warm.append(slot)  # every chunk held is pinned: refused, as put is
+                    return False
             # Overwrite: the old slot is released (or retired if read) and kept warm, since it
             # just replaced itself with a slot this put took: rewriting keys never faults.
             self._unmap(key, reuse=True)
@@ -349,9 +366,12 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
             problems: list[str] = []
             used_slots = [slot for slot, _ in self._map.values()]
             every = self._free + self._warm + used_slots + list(self._writing) + list(self._retired)
-            if len(every) != self.slots:
+            physical = self.slots + self.spare_slots
+            if len(every) != physical:
                 problems.append(f"free {len(self._free)} + warm {len(self._warm)} + used {len(used_slots)} + "
-                                f"writing {len(self._writing)} + retired {len(self._retired)} != {self.slots} slots")
+                                f"writing {len(self._writing)} + retired {len(self._retired)} != {physical} slots")
+            if len(self._map) > self.slots:
+                problems.append(f"{len(self._map)} chunks held in {self.slots} slots of capacity")
             if len(set(every)) != len(every):
                 problems.append("a slot is listed twice (free, warm, used, writing or retired)")
             used = sum(length for _, length in self._map.values())

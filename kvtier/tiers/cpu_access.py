@@ -43,6 +43,8 @@ class ArenaAccess:
         slot_bytes: int
         _writing: set[int]
         _warm: list[int]
+        _map: dict[bytes, tuple[int, int]]
+        slots: int
 
         def _check_open(self) -> None: ...
         def _acquire(self, key: bytes) -> tuple[int, int] | Miss: ...
@@ -50,7 +52,8 @@ class ArenaAccess:
         def _free_slot(self, slot: int) -> None: ...
         def _notify(self, evicted: list[tuple[bytes, bytes]]) -> None: ...
         def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool) -> Reservation | None: ...
-        def _commit(self, res: Reservation, key: bytes, depth: int, parent: bytes) -> bool: ...
+        def _commit(self, res: Reservation, key: bytes, depth: int, parent: bytes,
+                    evicted: list[tuple[bytes, bytes]]) -> bool: ...
         def _put(self, key: bytes, length: int, fill: Callable[[memoryview], None], depth: int,
                  parent: bytes, evicted: list[tuple[bytes, bytes]]) -> bool: ...
 
@@ -144,15 +147,29 @@ class ArenaAccess:
         (kvtier-server receives a PUT body straight into it: no copy). Never evicts: the
         bytes are not verified yet, and a chunk refused later must have cost nothing; None
         when no slot is free or the chunk does not fit one (the caller then verifies first
-        and puts). The slot is invisible to readers until :meth:`commit`; :meth:`abort` gives
-        it back. Either must follow (a reservation left open keeps its slot out of use)."""
+        and puts). A full tier with spare slots hands out a spare: the eviction it needs
+        happens at :meth:`commit`. The slot is invisible to readers until :meth:`commit`;
+        :meth:`abort` gives it back. Either must follow (a reservation left open keeps its
+        slot out of use)."""
         return self._reserve(length, [], evict=False)
 
+    @property
+    def full(self) -> bool:
+        """Whether the chunks held and the puts in flight take every slot of capacity (a
+        reservation now is a spare slot's, and its commit evicts). A snapshot, no lock."""
+        return len(self._map) + len(self._writing) >= self.slots
+
     def commit(self, res: Reservation, key: bytes, depth: int = 0, parent: bytes = b"") -> bool:
-        """Publish the chunk written into ``res`` under ``key`` (replacing what ``key`` held);
-        False (slot freed) when the tier was closed meanwhile."""
+        """Publish the chunk written into ``res`` under ``key`` (replacing what ``key`` held),
+        first evicting in policy order when the tier holds a full capacity of chunks (a spare
+        slot's reservation); False (slot freed) when the tier was closed meanwhile or nothing
+        is evictable."""
         check_keys([key])
-        return self._commit(res, key, depth, parent)
+        evicted: list[tuple[bytes, bytes]] = []
+        try:
+            return self._commit(res, key, depth, parent, evicted)
+        finally:
+            self._notify(evicted)
 
     def abort(self, res: Reservation) -> None:
         """Give back a reserved slot unpublished (its bytes are never read). It keeps its
