@@ -99,19 +99,29 @@ def test_refused_and_cut_off_puts_cost_nothing(server: ServerProc) -> None:
         assert get_all(sock, reader, keys[-SLOTS:]) == fresh
 
 
-def test_a_put_into_a_full_ram_takes_the_copying_path(server: ServerProc) -> None:
-    """No free slot: the chunk is verified first and then evicts (a reservation never does)."""
-    keys = make_keys(2 * SLOTS, seed=12)
-    chunks = [make_chunk(k, CHUNK_BYTES, seed=i) for i, k in enumerate(keys)]
+def fill_refuse_and_refill(server: ServerProc, slots: int, chunk_bytes: int, seed: int, refusals: int) -> None:
+    """On an LRU server with RAM for ``slots`` chunks: fill it, send ``refusals`` corrupt
+    chunks (each refused, evicting nothing), then as many new chunks as it holds (all
+    stored, the first ones evicted)."""
+    keys = make_keys(2 * slots, seed=seed)
+    chunks = [make_chunk(k, chunk_bytes, seed=i) for i, k in enumerate(keys)]
     sock, reader = connect(server)
     with sock:
-        assert put_batch(sock, reader, list(zip(keys[:SLOTS], chunks[:SLOTS]))) == [True] * SLOTS
-        bad = bytearray(chunks[SLOTS])
-        bad[-1] ^= 0xFF
-        assert isinstance(put_batch(sock, reader, [(keys[SLOTS], bytes(bad))]), bytes)
-        assert get_all(sock, reader, keys[:SLOTS]) == chunks[:SLOTS]  # nothing evicted for it
-        assert put_batch(sock, reader, list(zip(keys[SLOTS:], chunks[SLOTS:]))) == [True] * SLOTS
-        assert get_all(sock, reader, keys[SLOTS:]) == chunks[SLOTS:]
+        assert put_batch(sock, reader, list(zip(keys[:slots], chunks[:slots]))) == [True] * slots
+        for _ in range(refusals):
+            bad = bytearray(chunks[slots])
+            bad[-1] ^= 0xFF
+            assert isinstance(put_batch(sock, reader, [(keys[slots], bytes(bad))]), bytes)
+        assert get_all(sock, reader, keys[:slots]) == chunks[:slots]  # nothing evicted for them
+        assert put_batch(sock, reader, list(zip(keys[slots:], chunks[slots:]))) == [True] * slots
+        assert get_all(sock, reader, keys[slots:]) == chunks[slots:]
+        assert get_all(sock, reader, keys[:slots]) == [None] * slots  # evicted, oldest first
+
+
+def test_a_put_into_a_full_ram_takes_the_copying_path(server: ServerProc) -> None:
+    """No free slot (too few slots for spares): the chunk is verified first and then evicts
+    (a reservation never does)."""
+    fill_refuse_and_refill(server, SLOTS, CHUNK_BYTES, seed=12, refusals=1)
 
 
 def test_a_put_trickled_in_pieces_arrives_whole(server: ServerProc) -> None:

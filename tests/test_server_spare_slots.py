@@ -1,5 +1,5 @@
 """PUTs into a kvtier-server whose RAM is full go through spare slots (kvtier.tiers.cpu, "Spare
-slots"; kvtier.server.storage.spare_slots): each chunk is received or copied into a slot beyond
+slots"; kvtier.server.tenant_budget.spare_slots): each chunk is received or copied into a slot beyond
 the capacity, verified there, and only then evicts. A real server process: over the socket
 (PUT runs) a refused chunk evicts nothing and the good ones all land; over shared memory the
 chunks that land in spare slots are read back through the client's mapping of the arena
@@ -16,7 +16,7 @@ from kvtier.server.tenant_budget import spare_slots
 from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.remote import GrpcTier
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
-from tests.test_server_direct_put import connect, get_all, put_batch
+from tests.test_server_direct_put import fill_refuse_and_refill
 
 SLOTS = 32
 CHUNK_BYTES = 100_000
@@ -37,19 +37,8 @@ def test_this_server_has_spare_slots() -> None:
 
 
 def test_socket_puts_into_a_full_ram_evict_only_for_verified_chunks(server: ServerProc) -> None:
-    keys = make_keys(2 * SLOTS, seed=21)
-    chunks = [make_chunk(k, CHUNK_BYTES, seed=i) for i, k in enumerate(keys)]
-    sock, reader = connect(server)
-    with sock:
-        assert put_batch(sock, reader, list(zip(keys[:SLOTS], chunks[:SLOTS]))) == [True] * SLOTS
-        for _ in range(3):  # more refusals than there are spares: none costs a chunk or a slot
-            bad = bytearray(chunks[SLOTS])
-            bad[-1] ^= 0xFF
-            assert isinstance(put_batch(sock, reader, [(keys[SLOTS], bytes(bad))]), bytes)
-        assert get_all(sock, reader, keys[:SLOTS]) == chunks[:SLOTS]
-        assert put_batch(sock, reader, list(zip(keys[SLOTS:], chunks[SLOTS:]))) == [True] * SLOTS
-        assert get_all(sock, reader, keys[SLOTS:]) == chunks[SLOTS:]
-        assert get_all(sock, reader, keys[:SLOTS]) == [None] * SLOTS  # evicted, oldest first
+    # more refusals than there are spares: none costs a chunk or a slot
+    fill_refuse_and_refill(server, SLOTS, CHUNK_BYTES, seed=21, refusals=3)
 
 
 def test_shm_puts_into_a_full_ram_are_read_back_through_the_arena(server: ServerProc) -> None:

@@ -58,6 +58,7 @@ class WarmAhead:
         self.pool = pool
         self.reserve_bytes = reserve_bytes
         self._low_bytes = reserve_bytes // (2 * max(1, len(self.tiers)))
+        self._spare_bytes = sum(t.spare_slots * t.slot_bytes for t in self.tiers)  # warm beyond the budget
         self.warmed_bytes = 0  # bytes faulted in ahead of puts so far (what puts were spared)
         self.wakeups = 0  # times a put (or start, or close) woke the thread
         self._wanted: set[int] = set(range(len(self.tiers)))  # a tenant's first put finds warm slots
@@ -124,9 +125,8 @@ class WarmAhead:
         tenant with the most warm first) until the warm ones fit again, the tiers' spare
         slots aside (a full tier's puts reuse their victims' slots: kvtier.tiers.cpu, "Spare
         slots"). True when it stopped for want of room in the budget."""
-        spare = sum(t.spare_slots * t.slot_bytes for t in self.tiers)
         while not self._stop:
-            excess = self.warm_bytes() - max(0, self.pool.room()) - spare
+            excess = self.warm_bytes() - max(0, self.pool.room()) - self._spare_bytes
             if excess <= 0 or not max(self.tiers, key=lambda t: t.warm_bytes).cool_one():
                 break
         starved = False

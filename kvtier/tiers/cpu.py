@@ -95,7 +95,8 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         self.slots = config.capacity_bytes // config.slot_bytes
         self.capacity_bytes = self.slots * self.slot_bytes
         self.spare_slots = max(0, spare_slots)
-        self.arena_bytes = (self.slots + self.spare_slots) * self.slot_bytes
+        self._physical = self.slots + self.spare_slots  # slots in the arena, spares included
+        self.arena_bytes = self._physical * self.slot_bytes
         self.policy = make_policy(config.policy)
         self._owner, self.shared = allocate_arena(self.arena_bytes, config, self.slot_bytes, lazy,
                                                    shareable, name)
@@ -109,11 +110,10 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         if lazy:  # fail here, not at the first eviction, should the kernel refuse the madvise
             remove_pages(self._base, mmap.PAGESIZE, self.shared)
         self._map: dict[bytes, tuple[int, int]] = {}  # key -> (slot, length)
-        physical = self.slots + self.spare_slots
-        self._free: list[int] = list(range(physical - 1, -1, -1))  # pop() takes slot 0 first
+        self._free: list[int] = list(range(self._physical - 1, -1, -1))  # pop() takes slot 0 first
         # Free slots that kept their pages for a put about to come (taken before ``_free``).
         self._warm: list[int] = []
-        self._readers = [0] * physical
+        self._readers = [0] * self._physical
         self._writing: set[int] = set()  # slots handed to an in-flight put copy
         self._retired: set[int] = set()  # unmapped slots still being read
         self._used = 0
@@ -366,10 +366,9 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
             problems: list[str] = []
             used_slots = [slot for slot, _ in self._map.values()]
             every = self._free + self._warm + used_slots + list(self._writing) + list(self._retired)
-            physical = self.slots + self.spare_slots
-            if len(every) != physical:
+            if len(every) != self._physical:
                 problems.append(f"free {len(self._free)} + warm {len(self._warm)} + used {len(used_slots)} + "
-                                f"writing {len(self._writing)} + retired {len(self._retired)} != {physical} slots")
+                                f"writing {len(self._writing)} + retired {len(self._retired)} != {self._physical} slots")
             if len(self._map) > self.slots:
                 problems.append(f"{len(self._map)} chunks held in {self.slots} slots of capacity")
             if len(set(every)) != len(every):
