@@ -20,24 +20,44 @@ from kvtier.server.storage import Storage
 SLOT = 64 << 10
 
 
+class Plane:
+    """A running plane: its port, and :meth:`held` once the conversation is over."""
+
+    def __init__(self, server: DataPlane, storage: Storage, port: int) -> None:
+        self.server, self.storage, self.port = server, storage, port
+
+    def stop(self) -> None:
+        """Stop the server and wait for its connection threads (idempotent)."""
+        self.server.stop_accepting()
+        self.server.join(10)
+
+    def held(self) -> tuple[dict[bytes, bytes], list[str]]:
+        """What the store holds once the server has stopped (no thread can still be storing)."""
+        self.stop()
+        return holdings(self.storage)
+
+
 @contextmanager
-def plane(with_loop: bool, shm_bytes: int = 0) -> Iterator[tuple[int, Storage]]:
-    """(port, storage) of a fresh server, the C loop switched off unless ``with_loop``;
-    stopped (and the loop restored) on exit."""
+def plane(with_loop: bool, shm_bytes: int = 0) -> Iterator[Plane]:
+    """A fresh server, the C loop switched off unless ``with_loop``; on exit stopped, its
+    storage closed (its warm-ahead thread and arena would otherwise outlive it: a campaign of
+    thousands of examples once held 4,000 threads and 6 GiB) and the loop restored."""
     saved = put_run._PUTLOOP
     if not with_loop:
         put_run._PUTLOOP = None
     auth = Authenticator.from_file("")
     storage = Storage(auth.tenants.values(), CpuTierConfig(capacity_bytes=24 * SLOT, slot_bytes=SLOT),
                       DiskTierConfig(enabled=False))
-    server = DataPlane(storage, auth, Limits(max_batch_keys=64, max_chunk_bytes=1 << 20),
-                       ServerMetrics(storage), None, 4, shm_bytes=shm_bytes)
-    port = server.start("127.0.0.1", 0)
     try:
-        yield port, storage
+        server = DataPlane(storage, auth, Limits(max_batch_keys=64, max_chunk_bytes=1 << 20),
+                           ServerMetrics(storage), None, 4, shm_bytes=shm_bytes)
+        running = Plane(server, storage, server.start("127.0.0.1", 0))
+        try:
+            yield running
+        finally:
+            running.stop()
     finally:
-        server.stop_accepting()
-        server.join(10)
+        storage.close()
         put_run._PUTLOOP = saved
 
 

@@ -42,7 +42,7 @@ from kvtier.server import put_run
 from kvtier.server import shm as shm_segment
 from tests.hostile_client import LIMITS, fetch_fd
 from tests.kvtier_servers import make_chunk, make_keys
-from tests.put_run_plane import SLOT, holdings, plane, send_to_end
+from tests.put_run_plane import SLOT, plane, send_to_end
 
 SEGMENT = 4 << 20
 STRIDE = 128 << 10  # item i's chunk lies at i * STRIDE in the segment
@@ -75,8 +75,8 @@ def _item(kind: str, i: int, key: bytes, more: bool, seg: mmap.mmap) -> bytes:
 def _converse(kinds: list[str], cut: int | None, with_loop: bool) -> tuple[bytes | None, dict[bytes, bytes], list[str]]:
     """What a fresh server answers to the batch (after the handshake; None: the connection was
     reset) and holds afterwards."""
-    with plane(with_loop, shm_bytes=SEGMENT) as (port, storage):
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    with plane(with_loop, shm_bytes=SEGMENT) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             reader = FrameReader(LIMITS)
             send_all(sock, encode_hello(""))
             assert read_frame(sock, reader).type == WELCOME
@@ -95,7 +95,7 @@ def _converse(kinds: list[str], cut: int | None, with_loop: bool) -> tuple[bytes
             stream = b"".join(_item(k, i, keys[i], i < len(kinds) - 1, seg) for i, k in enumerate(kinds))
             answer = send_to_end(sock, stream if cut is None else stream[: cut % (len(stream) + 1)])
             seg.close()
-    return (answer, *holdings(storage))
+        return (answer, *server.held())
 
 
 needs_both = pytest.mark.skipif(not (put_run.available() and shm_segment.AVAILABLE),

@@ -60,13 +60,20 @@ class Admission:
         self._authenticated: dict[Conn, str] = {}  # -> tenant
         self._per_tenant: Counter[str] = Counter()
         self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
         self.evicted = 0  # pending connections pushed out or past their deadline
 
     def start(self) -> None:
-        threading.Thread(target=self._reap, name="kvtier-data-reaper", daemon=True).start()
+        self._reaper = threading.Thread(target=self._reap, name="kvtier-data-reaper", daemon=True)
+        self._reaper.start()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the reaper to end (after :meth:`stop`)."""
+        if self._reaper is not None:
+            self._reaper.join(timeout)
 
     def arrive(self, conn: Conn) -> None:
         """A new, unauthenticated connection; the oldest waiting one goes if there are too many."""

@@ -123,6 +123,7 @@ class DataPlane:
         self._conns: set[Conn] = set()
         self._threads: set[threading.Thread] = set()
         self._draining = False
+        self._acceptor: threading.Thread | None = None
 
     def start(self, host: str, port: int) -> int:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -136,8 +137,8 @@ class DataPlane:
             raise
         self._listener = sock
         self.admission.start()
-        thread = threading.Thread(target=self._accept_loop, name="kvtier-data-accept", daemon=True)
-        thread.start()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kvtier-data-accept", daemon=True)
+        self._acceptor.start()
         return int(sock.getsockname()[1])
 
     def _accept_loop(self) -> None:
@@ -367,7 +368,11 @@ class DataPlane:
                     conn.shutdown()  # wakes its thread's recv with EOF
 
     def join(self, timeout: float) -> None:
+        """After :meth:`stop_accepting`: wait up to ``timeout`` s for the accept loop, every
+        connection's thread and the reaper to end; connections still running then are cut."""
         end = time.monotonic() + timeout
+        if self._acceptor is not None:  # first: no connection thread starts after the snapshot
+            self._acceptor.join(timeout)
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
@@ -375,3 +380,4 @@ class DataPlane:
         with self._lock:
             for conn in self._conns:  # past the grace period: cut them
                 conn.shutdown()
+        self.admission.join(max(0.0, end - time.monotonic()))
