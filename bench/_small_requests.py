@@ -11,10 +11,19 @@ checks), one client on the caller's thread, in interleaved blocks so that load d
 both alike. Keys: ``small_{get,put}_us_kvtier`` and ``small_{get,put}_us_tcp``, each
 {"min","median","max"} µs per request over blocks, and ``small_{get,put}_kvtier_vs_tcp``
 (median round trip over the ceiling's: how many ceiling round trips one kvtier request costs).
+
+Where the round trip goes: CPU time per request of each side, read over the same blocks
+(the client: this process's ``time.process_time``; the server: the run time of its process's
+threads, ``/proc/PID/task/*/schedstat``, in ns where ``/proc/PID/stat`` counts 10 ms ticks,
+where the caller names the servers' pids):
+``small_{get,put}_cpu_us_{kvtier,tcp}_{client,server}``, {"min","median","max"} µs. The wall
+round trip is less than their sum where the two sides run at once on the two cores, more
+where a side waits to be scheduled.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -26,8 +35,24 @@ KEYS = 8
 BLOCK = 200  # requests per timed block
 
 
-def measure_small(addr: dict[str, Any], blocks: int) -> dict[str, list[float]]:
-    """µs per request of each (system, op), one list entry per block."""
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds the live threads of process ``pid`` have run (Linux ``schedstat``; a thread
+    that has ended no longer counts, so read it around work whose threads outlive it)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return total / 1e9
+
+
+def measure_small(addr: dict[str, Any], blocks: int, pids: dict[str, int] | None = None) -> dict[str, list[float]]:
+    """µs per request of each (system, op), one list entry per block: ``"get kvtier"`` the
+    round trip; ``"get kvtier cpu client"`` / ``"... server"`` the CPU time of each side
+    (the server's where ``pids`` names that system's server process)."""
+    pids = pids or {}
     clients = {s: _Client(s, "socket" if s == "kvtier" else "-", addr, 900, SIZE, KEYS * SIZE)
                for s in ("kvtier", "tcp")}
     times: dict[str, list[float]] = {}
@@ -38,10 +63,17 @@ def measure_small(addr: dict[str, Any], blocks: int) -> dict[str, list[float]]:
             for system, client in clients.items():
                 for op in ("get", "put"):
                     fn = client.put if op == "put" else lambda c=client: c.get(into=True)
-                    start = time.perf_counter()
+                    pid = pids.get(system)
+                    server0 = process_cpu_s(pid) if pid else 0.0
+                    client0, start = time.process_time(), time.perf_counter()
                     for _ in range(BLOCK):
                         fn()
                     times.setdefault(f"{op} {system}", []).append((time.perf_counter() - start) / BLOCK * 1e6)
+                    times.setdefault(f"{op} {system} cpu client", []).append(
+                        (time.process_time() - client0) / BLOCK * 1e6)
+                    if pid:
+                        times.setdefault(f"{op} {system} cpu server", []).append(
+                            (process_cpu_s(pid) - server0) / BLOCK * 1e6)
     finally:
         for client in clients.values():
             client.close()
@@ -54,4 +86,8 @@ def small_summary(times: dict[str, list[float]]) -> dict[str, Any]:
         k, t = Stats.of(times[f"{op} kvtier"]), Stats.of(times[f"{op} tcp"])
         out[f"small_{op}_us_kvtier"], out[f"small_{op}_us_tcp"] = vars(k), vars(t)
         out[f"small_{op}_kvtier_vs_tcp"] = k.median / t.median
+        for system in ("kvtier", "tcp"):
+            for side in ("client", "server"):
+                if f"{op} {system} cpu {side}" in times:
+                    out[f"small_{op}_cpu_us_{system}_{side}"] = vars(Stats.of(times[f"{op} {system} cpu {side}"]))
     return out

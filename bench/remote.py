@@ -61,7 +61,8 @@ in µs; ``lookup_data_path_vs_grpc`` and ``lookup_client_vs_client_grpc`` are me
 Small requests (bench/_small_requests.py), next, still before the workers: the round trip of
 one GET and one PUT of 8 chunks of 4 KiB, kvtier's socket path against the TCP ceiling, one
 client: ``small_{get,put}_us_kvtier``, ``small_{get,put}_us_tcp`` and
-``small_{get,put}_kvtier_vs_tcp`` (the per-request cost bytes do not hide).
+``small_{get,put}_kvtier_vs_tcp`` (the per-request cost bytes do not hide), and the CPU time
+each side spends per request, ``small_{get,put}_cpu_us_{kvtier,tcp}_{client,server}``.
 """
 
 from __future__ import annotations
@@ -224,9 +225,10 @@ def main() -> None:
             print(f"lookup 16 keys {path:27s} {fmt(lookups[path], 'us', 0)}", flush=True)
         addr = {"kvtier": kv_addr, "kvtier_tenants": many_addr, "kvtier_evicting": evict_addr, "redis": rs.port,
                 "tcp": tcp_port}
-        small = measure_small(addr, 5 if args.quick else 15)
+        small = measure_small(addr, 5 if args.quick else 15, {"kvtier": kv_proc.pid, "tcp": tcp_proc.pid})
         for name, us in small.items():
-            print(f"small {name:37s} {fmt(us, 'us', 0)} per 8 x 4 KiB request", flush=True)
+            print(f"small {name:37s} {fmt(us, 'us', 0)} per 8 x 4 KiB request{' (CPU)' if ' cpu ' in name else ''}",
+                  flush=True)
         if lm_python is not None:
             lm_proc, addr["lmcache"] = start_server(lm_python)
         for wid in range(max(CLIENTS)):
