@@ -63,6 +63,13 @@ one GET and one PUT of 8 chunks of 4 KiB, kvtier's socket path against the TCP c
 client: ``small_{get,put}_us_kvtier``, ``small_{get,put}_us_tcp`` and
 ``small_{get,put}_kvtier_vs_tcp`` (the per-request cost bytes do not hide), and the CPU time
 each side spends per request, ``small_{get,put}_cpu_us_{kvtier,tcp}_{client,server}``.
+
+Where the headline socket figures' CPU goes: for kvtier's socket path and the TCP ceiling, put
+and get, every window also reads the CPU time of the server process (its threads' run time,
+``/proc/PID/task/*/schedstat``) and of the client processes, per GB moved:
+``socket_{get,put}_cpu_s_per_gb_{kvtier,tcp}_{server,clients}`` at 1 MiB x 4,
+{"min","median","max"} over the reps. Two cores run both sides, so a ratio below 1 is the sum
+of these two, per GB, against the ceiling's: these keys say which side pays it.
 """
 
 from __future__ import annotations
@@ -85,12 +92,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 from _lookup_latency import PATHS, measure_lookups, summary
 from _loopback import serve
 from _remote_clients import BATCH_BYTES, TENANT_TOKEN, worker
-from _small_requests import measure_small, small_summary
+from _small_requests import measure_small, process_cpu_s, small_summary
 from _stats import Stats, fmt
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20}
 CLIENTS = (1, 4)
 TENANTS = 128  # the many-tenant server's tenant count
+# the CPU a socket figure is read with: ((server pid, worker pids), where its (server, clients)
+# CPU-s per GB pairs go)
+CpuOf = tuple[tuple[int, list[int]], list[tuple[float, float]]]
 
 
 # --- orchestration ------------------------------------------------------------------------------
@@ -130,18 +140,28 @@ def start_tcp(work: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
 
 
 def measure(pipes: list[Connection], clients: int, system: str, path: str, size: int, op: str,
-            seconds: float) -> float:
-    """Aggregate GB/s of ``clients`` workers running ``op`` together for ``seconds``."""
+            seconds: float, cpu_of: CpuOf | None = None) -> float:
+    """Aggregate GB/s of ``clients`` workers running ``op`` together for ``seconds``. With
+    ``cpu_of`` ((server pid, worker pids), a list to append to): the CPU seconds per GB moved
+    of the server process and of the clients over the same window, appended as a pair."""
     use = pipes[:clients]
     for p in use:
         p.send((system, path, size, op, None, seconds))
     for p in use:
         p.recv()
+    pids, cpu_out = cpu_of if cpu_of is not None else ((0, []), [])
+    server_pid, worker_pids = pids
+    before = (process_cpu_s(server_pid), sum(map(process_cpu_s, worker_pids[:clients]))) if cpu_of else (0.0, 0.0)
     start = time.monotonic() + 0.05
     for p in use:
         p.send((system, path, size, op, start, seconds))
     results = [p.recv() for p in use]
-    return sum(m for m, _ in results) / max(e for _, e in results) / 1e9
+    moved_gb = sum(m for m, _ in results) / 1e9
+    if cpu_of is not None:
+        server_s = process_cpu_s(server_pid) - before[0]
+        clients_s = sum(map(process_cpu_s, worker_pids[:clients])) - before[1]
+        cpu_out.append((server_s / moved_gb, clients_s / moved_gb))
+    return moved_gb / max(e for _, e in results)
 
 
 def tuned_redis_available() -> bool:
@@ -150,6 +170,18 @@ def tuned_redis_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def socket_cpu_summary(cpu: dict[str, list[tuple[float, float]]], at: str) -> dict[str, Any]:
+    """``socket_{get,put}_cpu_s_per_gb_{kvtier,tcp}_{server,clients}``: CPU seconds per GB
+    moved at 1 MiB x 4 clients, {"min","median","max"} over the reps (None where not run)."""
+    out: dict[str, Any] = {}
+    for op in ("get", "put"):
+        for system, name in (("kvtier", f"kvtier-socket {op}{at}"), ("tcp", f"tcp {op}{at}")):
+            for k, side in enumerate(("server", "clients")):
+                got = [c[k] for c in cpu.get(name, [])]
+                out[f"socket_{op}_cpu_s_per_gb_{system}_{side}"] = vars(Stats.of(got)) if got else None
+    return out
 
 
 def label(system: str, path: str, op: str, size_name: str, clients: int) -> str:
@@ -239,17 +271,26 @@ def main() -> None:
             procs.append(proc)
         plan = run_plan(args.quick, tuned_redis_available(), lm_proc is not None)
         results: dict[str, list[float]] = {}
+        cpu: dict[str, list[tuple[float, float]]] = {}  # the headline socket figures' CPU per GB
+        server_pids = {"kvtier": kv_proc.pid, "tcp": tcp_proc.pid}
+        worker_pids = [proc.pid for proc in procs]
         print(f"kvtier-server {kv_addr} (client default data path: {default_path}), "
               f"redis {rs.port}, tcp/asyncio {tcp_port}; {seconds}s windows x {reps} reps; batches of 8 MiB")
         for (size_name, clients), figures in plan.items():
             for _ in range(reps):  # reps interleaved: load drift hits every system alike
                 for system, path, op in figures:
                     name = label(system, path, op, size_name, clients)
+                    cpu_of: CpuOf | None = None
+                    if (system, path) in (("kvtier", "socket"), ("tcp", "-")) and op in ("put", "get"):
+                        cpu_of = ((server_pids[system], worker_pids), cpu.setdefault(name, []))
                     results.setdefault(name, []).append(
-                        measure(pipes, clients, system, path, SIZES[size_name], op, seconds))
+                        measure(pipes, clients, system, path, SIZES[size_name], op, seconds, cpu_of))
             for system, path, op in figures:
                 name = label(system, path, op, size_name, clients)
                 print(f"{name:36s} {fmt(results[name], 'GB/s')}", flush=True)
+                if name in cpu:
+                    for side, k in (("server", 0), ("clients", 1)):
+                        print(f"{'':6s}{side:7s} CPU per GB moved {fmt([c[k] for c in cpu[name]], 's', 3)}", flush=True)
     finally:
         for p in pipes:
             p.send(None)
@@ -326,6 +367,7 @@ def main() -> None:
         "default_data_path": default_path, "quick": args.quick, "reps": reps, "window_s": seconds,
         **summary(lookups),
         **small_summary(small),
+        **socket_cpu_summary(cpu, at),
         "gbps": {k: vars(Stats.of(v)) for k, v in results.items()},
     })
     print("ratios (medians, 1 MiB x 4 clients): " + ", ".join(
