@@ -5,19 +5,23 @@ decoder: whatever bytes arrive, the only error is ProtocolError."""
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.protocol.frames import (
+    ARENA,
     CHUNK,
     ERROR,
     GET,
     LOOKUP,
     LOOKUP_REPLY,
+    PARENT,
     PUT,
     PUT_REPLY,
+    SHM,
     SHM_MAPPED,
     SHM_OPEN,
     WELCOME,
@@ -387,3 +391,45 @@ def test_fuzz_valid_header_random_body(data: bytes) -> None:
             assert hits <= 40
         except ProtocolError:
             pass
+
+
+def _outcome(call: object) -> tuple[str, object]:
+    """What a session call gave: ("item", its fields) or ("error", the message)."""
+    assert callable(call)
+    try:
+        item = call()
+    except ProtocolError as exc:
+        return "error", str(exc)
+    assert isinstance(item, PutItem) and isinstance(item.chunk, memoryview)
+    return "item", (item.key, item.parent, item.depth, bytes(item.chunk), item.more)
+
+
+@settings(max_examples=400, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 15), st.integers(0, (1 << 32) - 1), st.sampled_from([0, 32, 64, 96]),
+                               st.binary(min_size=1, max_size=40)), min_size=1, max_size=70))
+def test_split_put_accepts_what_accept_accepts(runs: list[tuple[int, int, int, bytes]]) -> None:
+    """kvtier.server.put_run hands the session each PUT it received in C as keys and a chunk
+    (``accept_split_put``) rather than as a frame. Against ``accept`` of the same frame whole
+    (keys and chunk inline in one body, the other parsing path): the same items and batch
+    length checks where the keys are as long as the flags say; an error naming the split
+    otherwise (SHM: a split chunk is never a reference), and the same refusal of ARENA."""
+    inline, split = ServerSession(LIMITS), ServerSession(LIMITS)
+    for s in (inline, split):
+        s.accept(_frames(join(encode_hello("")))[0])
+    for flags, count, keylen, chunk in runs:
+        keys = bytes(range(keylen))
+        whole = Frame(FrameHeader(PUT, flags, count, keylen + len(chunk)), memoryview(keys + chunk))
+        got = _outcome(partial(split.accept_split_put, flags, count, memoryview(keys), memoryview(chunk)))
+        if flags & ARENA:
+            assert got == _outcome(partial(inline.accept, whole)) == ("error", "PUT with the ARENA flag (only a "
+                                                                              "CHUNK may reference the arena)")
+            return
+        if flags & SHM or keylen != (64 if flags & PARENT else 32):
+            assert got[0] == "error" and "split after" in str(got[1])
+            return  # the connection ends on a ProtocolError
+        want = _outcome(partial(inline.accept, whole))
+        assert got == want
+        assert split.in_put == inline.in_put
+        if want[0] == "error":
+            assert "max_batch_keys" in str(want[1])
+            return

@@ -89,6 +89,7 @@ from kvtier.protocol.messages import (
     parse_shm_ready,
     parse_text,
     parse_welcome,
+    split_put,
     welcome_ops,
 )
 from kvtier.protocol.wire import (
@@ -135,7 +136,7 @@ __all__ = [
     "encode_lookup_reply", "encode_miss", "encode_put", "encode_put_ref", "encode_put_reply",
     "encode_shm_mapped", "encode_shm_open", "encode_shm_ready", "encode_welcome", "expect_type",
     "parse_get", "parse_header", "parse_hello", "parse_lookup", "parse_lookup_reply", "parse_put",
-    "parse_put_reply", "parse_ref", "parse_shm_ready", "parse_text", "parse_welcome", "welcome_ops",
+    "parse_put_reply", "parse_ref", "parse_shm_ready", "parse_text", "parse_welcome", "split_put", "welcome_ops",
 ]
 
 BodyTarget = Callable[[FrameHeader], memoryview | tuple[memoryview, memoryview] | None]

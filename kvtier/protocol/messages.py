@@ -242,14 +242,25 @@ def parse_put(frame: Frame) -> PutItem:
     if frame.body.nbytes < head:
         raise ProtocolError(f"PUT body of {frame.body.nbytes} bytes has no room for its keys")
     body = frame.body
-    parent = bytes(body[KEY_BYTES:head]) if head > KEY_BYTES else b""
     if frame.tail is not None:  # split by the receiver: the keys in body, the chunk in tail
-        if body.nbytes != head or frame.header.flags & SHM:
+        if frame.header.flags & SHM:
             raise ProtocolError(f"PUT split after {body.nbytes} bytes, its keys take {head}")
-        return PutItem(bytes(body[:KEY_BYTES]), parent, frame.header.count, frame.tail,
-                       bool(frame.header.flags & MORE))
+        return split_put(frame.header.flags, frame.header.count, body, frame.tail)
+    parent = bytes(body[KEY_BYTES:head]) if head > KEY_BYTES else b""
     chunk: memoryview | ShmRef = parse_ref(body[head:], "PUT") if frame.header.flags & SHM else body[head:]
     return PutItem(bytes(body[:KEY_BYTES]), parent, frame.header.count, chunk, bool(frame.header.flags & MORE))
+
+
+def split_put(flags: int, count: int, keys: memoryview, chunk: memoryview) -> PutItem:
+    """A PUT frame whose receiver put the keys in ``keys`` and the chunk, inline on the wire,
+    in ``chunk`` (a frame reader's target, or kvtier.server.put_run's slot): the checks
+    :func:`parse_put` makes of such a frame (``flags`` without SHM: the chunk is here)."""
+    if flags & ARENA:
+        raise ProtocolError("PUT with the ARENA flag (only a CHUNK may reference the arena)")
+    head = 2 * KEY_BYTES if flags & PARENT else KEY_BYTES
+    if keys.nbytes != head or flags & SHM:
+        raise ProtocolError(f"PUT split after {keys.nbytes} bytes, its keys take {head}")
+    return PutItem(bytes(keys[:KEY_BYTES]), bytes(keys[KEY_BYTES:]), count, chunk, bool(flags & MORE))
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from kvtier.protocol.frames import (
     parse_put,
     parse_ref,
     parse_text,
+    split_put,
 )
 
 
@@ -69,12 +70,22 @@ class ServerSession:
         if frame.type in (SHM_OPEN, SHM_MAPPED) and not self.in_put:
             return ShmControl(frame.type, frame.header.count)
         if frame.type == PUT:
-            item = parse_put(frame)
-            self.in_put = self.in_put + 1 if item.more else 0
-            if self.in_put > self.limits.max_batch_keys:
-                raise ProtocolError(f"PUT batch longer than max_batch_keys={self.limits.max_batch_keys}")
-            return item
+            return self._in_batch(parse_put(frame))
         raise ProtocolError(f"unexpected {TYPE_NAMES[frame.type]} frame from a client")
+
+    def accept_split_put(self, flags: int, count: int, keys: memoryview, chunk: memoryview) -> PutItem:
+        """A PUT frame its receiver split itself, the keys in ``keys`` and the chunk in
+        ``chunk`` (kvtier.server.put_run): what :meth:`accept` does with that frame, without
+        building it."""
+        if not self.authenticated:
+            raise ProtocolError("PUT before HELLO")
+        return self._in_batch(split_put(flags, count, keys, chunk))
+
+    def _in_batch(self, item: PutItem) -> PutItem:
+        self.in_put = self.in_put + 1 if item.more else 0
+        if self.in_put > self.limits.max_batch_keys:
+            raise ProtocolError(f"PUT batch longer than max_batch_keys={self.limits.max_batch_keys}")
+        return item
 
 
 class GetReplyCollector:

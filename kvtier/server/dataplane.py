@@ -323,8 +323,7 @@ class DataPlane:
             batch.flags.append(False)
             self.metrics.rejected.labels(exc.code.name).inc()
             return
-        # Probed tier by tier, not by store.probe: that one counts as a client lookup.
-        new = not any(tier.probe([item.key]).hits for tier in store.tiers)
+        new = not store.holds(item.key)
         ok = store.commit(reserved, entry) if reserved is not None else store.put([entry])[0]
         if ok and new:
             batch.new_keys.append(item.key)

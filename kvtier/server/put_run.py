@@ -178,8 +178,7 @@ class PutRuns:
                     chunk = res.view[: length - keylen]
                     keys = memoryview(self._keys)[j * 2 * KEY_BYTES : j * 2 * KEY_BYTES + keylen]
                     # The session sees the frame as if its chunk had come inline (it has: into the slot).
-                    item = session.accept(Frame(FrameHeader(PUT, flags & ~SHM, count, length), keys, chunk))
-                    assert isinstance(item, PutItem)
+                    item = session.accept_split_put(flags & ~SHM, count, keys, chunk)
                     accepting = sink(item, Reservation(res.slot, chunk), digest, "shm" if flags & SHM else "socket")
             finally:
                 for left in slots:

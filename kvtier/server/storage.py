@@ -108,6 +108,12 @@ class TenantStore:
                 return Probe(hits, reason), by_tier
         return Probe(hits), by_tier
 
+    def holds(self, key: bytes) -> bool:
+        """Whether a tier holds ``key`` now; unlike :meth:`probe`, not counted as a lookup."""
+        if self.ram is not None and self.ram.holds(key):
+            return True
+        return self.disk is not None and self.disk.probe([key]).hits > 0
+
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
         """Chunks (fresh bytes) or misses; a disk hit is promoted into RAM."""
         first = self.tiers[0].get(keys)
@@ -243,9 +249,11 @@ class TenantStore:
         """Publish a reserved chunk (already verified by the caller) as ``entry``; counted as
         a put."""
         assert self.ram is not None  # reserve() returned a reservation
-        self._announce(self.ram, [entry])
+        if self.events is not None:  # (a put per chunk: no lists built for events nobody takes)
+            self._announce(self.ram, [entry])
         ok = self.ram.commit(res, entry.key, entry.depth, entry.parent)
-        self._refused(self.ram, [entry], [ok])
+        if not ok and self.events is not None:
+            self._refused(self.ram, [entry], [ok])
         self.traffic.put(res.view.nbytes if ok else 0, 0 if ok else 1)
         return ok
 

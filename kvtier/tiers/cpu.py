@@ -210,6 +210,11 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
                 return Probe(hits, self._absent(keys[hits]).reason)
             return Probe(hits)
 
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key`` is held now: a snapshot, taken without the lock (one dict lookup is
+        atomic) and not a read (the policy is not told, nothing is counted)."""
+        return key in self._map
+
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
         check_keys(keys)
         self._check_open()
