@@ -17,8 +17,9 @@ class serves both media: the disk tier sheds chunk files, the RAM tier (a lazily
 the server's resident memory follows the bytes the pool admits rather than the sum of caps.
 
 Bound: the check and the write are not one atomic step, so concurrent puts may pass the
-budget by at most the chunks in flight (bounded by connections x max_chunk_bytes) until the
-next put evicts again. The pool counts chunk bytes (``used_bytes``); a RAM chunk's
+budget by at most the chunks in flight (bounded by connections x max_chunk_bytes, times
+kvtier.server.put_run.RUN_SLOTS on the data path, whose PUT runs receive up to that many
+chunks before any is counted) until the next put evicts again. The pool counts chunk bytes (``used_bytes``); a RAM chunk's
 pages round it up to the page size.
 
 Threads: :meth:`SharedPool.make_room` may be called from any thread (one lock serialises
