@@ -23,29 +23,15 @@ where a side waits to be scheduled.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from _remote_clients import _Client
-from _stats import Stats
+from _stats import Stats, process_cpu_s
 
 SIZE = 4096  # bytes of payload per chunk
 KEYS = 8
 BLOCK = 200  # requests per timed block
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds the live threads of process ``pid`` have run (Linux ``schedstat``; a thread
-    that has ended no longer counts, so read it around work whose threads outlive it)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
-            continue
-    return total / 1e9
 
 
 def measure_small(addr: dict[str, Any], blocks: int, pids: dict[str, int] | None = None) -> dict[str, list[float]]:

@@ -1,4 +1,5 @@
-"""Tiny shared helpers for bench scripts: time repeats, summarise them as min/median/max.
+"""Tiny shared helpers for bench scripts: time repeats, summarise them as min/median/max, read
+another process's CPU time.
 
 Benches print human lines with :func:`fmt` and end with one JSON line; ratios are taken from
 medians measured in the same run (never asserted in tests).
@@ -6,6 +7,7 @@ medians measured in the same run (never asserted in tests).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -47,3 +49,16 @@ def timed(fn: Callable[[], object]) -> float:
 
 def median(values: Sequence[float]) -> float:
     return Stats.of(values).median
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds the live threads of process ``pid`` have run (Linux ``schedstat``; a thread
+    that has ended no longer counts, so read it around work whose threads outlive it)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return total / 1e9

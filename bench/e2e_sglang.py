@@ -17,8 +17,9 @@ minutes; timing one backend after the other would compare loads, not backends). 
 controller path (queues, threads, hit query, TP reduction); only the storage calls differ.
 Ratios are per repeat (min/median/max). Two clocks: wall GB/s (what the issue's
 ``read_vs_file_backend`` / ``write_vs_file_backend`` report) and CPU GB/s (bytes per CPU-second
-of the bench process's threads plus, for the kvtier-server tier, the server process: the
-``*_cpu`` keys), which a loaded machine distorts far less than wall time.
+of the bench process's threads plus, for the kvtier-server tier, the run time of the server
+process's threads from ``schedstat``: the ``*_cpu`` keys), which a loaded machine distorts far
+less than wall time.
 
 What each kvtier entry is compared with (the media differ; say which you quote):
 - ``file``: SGLang's file backend writes with buffered I/O and reads the files it has just
@@ -65,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "connectors"), str(ROOT / "tests"), str(ROOT / "tests" / "stubs"),
                 str(ROOT / "tests" / "sglang_checks"), str(ROOT / "bench")]
 
-from _stats import Stats, fmt, gbps
+from _stats import Stats, fmt, gbps, process_cpu_s
 
 try:
     import torch
@@ -97,13 +98,10 @@ def make_controller(backend: str, extra: dict[str, Any] | None, args: argparse.N
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds of this process (all threads) and of ``pids`` (their /proc utime + stime)."""
-    total = time.process_time()
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    """CPU seconds of this process (all threads) and of ``pids`` (the run time of their live
+    threads, ns from ``schedstat``: a repeat of tens of milliseconds is a few of /proc/PID/stat's
+    10 ms ticks)."""
+    return time.process_time() + sum(map(process_cpu_s, pids))
 
 
 class Clock:

@@ -92,8 +92,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 from _lookup_latency import PATHS, measure_lookups, summary
 from _loopback import serve
 from _remote_clients import BATCH_BYTES, TENANT_TOKEN, worker
-from _small_requests import measure_small, process_cpu_s, small_summary
-from _stats import Stats, fmt
+from _small_requests import measure_small, small_summary
+from _stats import Stats, fmt, process_cpu_s
 
 SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20}
 CLIENTS = (1, 4)
