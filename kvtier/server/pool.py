@@ -19,8 +19,8 @@ the server's resident memory follows the bytes the pool admits rather than the s
 Bound: the check and the write are not one atomic step, so concurrent puts may pass the
 budget by at most the chunks in flight (bounded by connections x max_chunk_bytes, times
 kvtier.server.put_run.RUN_SLOTS on the data path, whose PUT runs receive up to that many
-chunks before any is counted) until the next put evicts again. The pool counts chunk bytes (``used_bytes``); a RAM chunk's
-pages round it up to the page size.
+chunks before any is counted) until the next put evicts again. The pool counts chunk bytes
+(``used_bytes``); a RAM chunk's pages round it up to the page size.
 
 Threads: :meth:`SharedPool.make_room` may be called from any thread (one lock serialises
 decisions; a tier's own lock is only ever taken inside the pool's, never the other way).
