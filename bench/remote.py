@@ -149,19 +149,22 @@ def measure(pipes: list[Connection], clients: int, system: str, path: str, size:
         p.send((system, path, size, op, None, seconds))
     for p in use:
         p.recv()
-    pids, cpu_out = cpu_of if cpu_of is not None else ((0, []), [])
-    server_pid, worker_pids = pids
-    before = (process_cpu_s(server_pid), sum(map(process_cpu_s, worker_pids[:clients]))) if cpu_of else (0.0, 0.0)
+    before = _cpu_now(cpu_of, clients) if cpu_of is not None else (0.0, 0.0)
     start = time.monotonic() + 0.05
     for p in use:
         p.send((system, path, size, op, start, seconds))
     results = [p.recv() for p in use]
     moved_gb = sum(m for m, _ in results) / 1e9
     if cpu_of is not None:
-        server_s = process_cpu_s(server_pid) - before[0]
-        clients_s = sum(map(process_cpu_s, worker_pids[:clients])) - before[1]
-        cpu_out.append((server_s / moved_gb, clients_s / moved_gb))
+        after = _cpu_now(cpu_of, clients)
+        cpu_of[1].append(((after[0] - before[0]) / moved_gb, (after[1] - before[1]) / moved_gb))
     return moved_gb / max(e for _, e in results)
+
+
+def _cpu_now(cpu_of: CpuOf, clients: int) -> tuple[float, float]:
+    """CPU seconds so far of the server process and of the first ``clients`` workers."""
+    (server_pid, worker_pids), _ = cpu_of
+    return process_cpu_s(server_pid), sum(map(process_cpu_s, worker_pids[:clients]))
 
 
 def tuned_redis_available() -> bool:

@@ -243,8 +243,6 @@ def parse_put(frame: Frame) -> PutItem:
         raise ProtocolError(f"PUT body of {frame.body.nbytes} bytes has no room for its keys")
     body = frame.body
     if frame.tail is not None:  # split by the receiver: the keys in body, the chunk in tail
-        if frame.header.flags & SHM:
-            raise ProtocolError(f"PUT split after {body.nbytes} bytes, its keys take {head}")
         return split_put(frame.header.flags, frame.header.count, body, frame.tail)
     parent = bytes(body[KEY_BYTES:head]) if head > KEY_BYTES else b""
     chunk: memoryview | ShmRef = parse_ref(body[head:], "PUT") if frame.header.flags & SHM else body[head:]
