@@ -32,11 +32,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+
+#include "_xxh3.h"
 
 #define HEADER_SIZE 16
 #define KEY_BYTES 32
@@ -45,40 +46,11 @@
 #define FLAG_SHM 4
 #define REF_SIZE 16 /* offset u64 || length u64, little-endian */
 
-/* The xxhash package's streaming XXH3 (its state is opaque here: made by XXH3_createState). */
-typedef void *(*create_fn)(void);
-typedef int (*free_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
-static create_fn xxh_create = NULL;
-static free_fn xxh_free = NULL;
-static reset_fn xxh_reset = NULL;
-static update_fn xxh_update = NULL;
-static digest_fn xxh_digest = NULL;
-
 static PyObject *bind_hash(PyObject *self, PyObject *args) {
     const char *path;
     if (!PyArg_ParseTuple(args, "s", &path))
         return NULL;
-    /* RTLD_NOLOAD: only an object Python has imported already; nothing new is loaded. The
-     * handle stays open: the module it belongs to is never unloaded. */
-    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    if (lib == NULL)
-        Py_RETURN_FALSE;
-    void *update = dlsym(lib, "XXH3_64bits_update_dispatch"); /* the CPU-dispatched build */
-    if (update == NULL)
-        update = dlsym(lib, "XXH3_64bits_update");
-    void *create = dlsym(lib, "XXH3_createState"), *free_ = dlsym(lib, "XXH3_freeState");
-    void *reset = dlsym(lib, "XXH3_64bits_reset"), *digest = dlsym(lib, "XXH3_64bits_digest");
-    if (!update || !create || !free_ || !reset || !digest)
-        Py_RETURN_FALSE;
-    xxh_create = (create_fn)create;
-    xxh_free = (free_fn)free_;
-    xxh_reset = (reset_fn)reset;
-    xxh_update = (update_fn)update;
-    xxh_digest = (digest_fn)digest;
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(bind_xxh3(path));
 }
 
 static uint64_t le64(const unsigned char *p) {
