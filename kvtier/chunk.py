@@ -144,11 +144,15 @@ def encode_chunk(
     return out
 
 
-def frame_raw_chunk(out: memoryview, namespace: bytes, key: bytes, dtype: str, shape: Shape) -> memoryview:
+def frame_raw_chunk(out: memoryview, namespace: bytes, key: bytes, dtype: str, shape: Shape, *,
+                    payload_xxh3: int | None = None) -> memoryview:
     """Frame a raw-codec chunk in place: ``out[HEADER_SIZE:]`` already holds the payload
     (``shape`` of ``dtype``, C order); the header is written in front of it. Returns the chunk,
     ``out`` trimmed to header + payload. For callers that copy K/V straight from an engine's
-    buffer into a reusable (page-aligned) chunk buffer: no payload copy here, no allocation."""
+    buffer into a reusable (page-aligned) chunk buffer: no payload copy here, no allocation.
+    ``payload_xxh3``: the payload's xxh3_64 where the caller took it while copying the payload
+    in (:func:`kvtier.strided.gather_into`); it must be of exactly those bytes (a wrong one
+    makes every read refuse the chunk). Left out, it is computed here."""
     code, itemsize = DTYPES.get(dtype, (0, 0))
     if not code:
         raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -158,18 +162,21 @@ def frame_raw_chunk(out: memoryview, namespace: bytes, key: bytes, dtype: str, s
     if out.nbytes < HEADER_SIZE + raw:
         raise ValueError(f"chunk buffer of {out.nbytes} bytes cannot hold {HEADER_SIZE + raw}")
     chunk = out[: HEADER_SIZE + raw]
-    _write_header(chunk, namespace, key, code, shape, Codec.RAW, False, raw, raw)
+    _write_header(chunk, namespace, key, code, shape, Codec.RAW, False, raw, raw, payload_xxh3)
     return chunk
 
 
 def _write_header(out: memoryview, namespace: bytes, key: bytes, code: int, shape: Shape,
-                  codec: Codec, shuffle: bool, raw_len: int, stored_len: int) -> None:
-    """Write the header of the chunk whose stored payload is ``out[HEADER_SIZE:]``."""
+                  codec: Codec, shuffle: bool, raw_len: int, stored_len: int,
+                  payload_xxh3: int | None = None) -> None:
+    """Write the header of the chunk whose stored payload is ``out[HEADER_SIZE:]`` (its xxh3
+    computed here unless given)."""
+    if payload_xxh3 is None:
+        payload_xxh3 = xxhash.xxh3_64_intdigest(out[HEADER_SIZE : HEADER_SIZE + stored_len])
     layers, kv, tokens, heads, head_dim = (int(d) for d in shape)
     head = _HEAD.pack(
         MAGIC, VERSION, int(codec), FLAG_SHUFFLE if shuffle else 0, code, kv, 0, 0,
-        layers, tokens, heads, head_dim, namespace, key, raw_len, stored_len,
-        xxhash.xxh3_64_intdigest(out[HEADER_SIZE : HEADER_SIZE + stored_len]),
+        layers, tokens, heads, head_dim, namespace, key, raw_len, stored_len, payload_xxh3,
     )
     out[: _HEAD.size] = head
     out[_HEAD.size : HEADER_SIZE] = _CHECK.pack(xxhash.xxh3_64_intdigest(head))

@@ -34,7 +34,7 @@ from kvtier.errors import ChunkError
 from kvtier.tiers.base import Miss
 from kvtier.tiers.cpu import CpuTier
 
-from .pages import load_page, page_nbytes, save_page
+from .pages import load_page, page_nbytes, save_page_hashed
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,17 @@ def read_leased(cache: PrefixCache, tier: CpuTier, keys: Sequence[bytes], page_t
     return len(keys)
 
 
-def page_framer(cache: PrefixCache, key: bytes, src: torch.Tensor, page_tokens: int) -> Callable[[memoryview], None]:
+def page_framer(cache: PrefixCache, key: bytes, src: torch.Tensor, page_tokens: int, *,
+                streaming: bool = True) -> Callable[[memoryview], None]:
     """``fill(dst)``: the raw chunk of page ``src`` under ``key``, built in ``dst`` (exactly
-    ``HEADER_SIZE + page_nbytes(src)`` bytes): the page copied behind the header, then framed there."""
+    ``HEADER_SIZE + page_nbytes(src)`` bytes): the page copied behind the header, then framed
+    there. ``streaming``: see :func:`kvtier.strided.gather_into` (True for a cache's slot)."""
     shape = cache.spec.layout.chunk_shape(page_tokens)
     dtype, namespace = cache.spec.kv_dtype, cache.namespace
 
     def fill(dst: memoryview) -> None:
-        save_page(src, dst[HEADER_SIZE:])
-        frame_raw_chunk(dst, namespace, key, dtype, shape)
+        digest = save_page_hashed(src, dst[HEADER_SIZE:], streaming=streaming)
+        frame_raw_chunk(dst, namespace, key, dtype, shape, payload_xxh3=digest)
 
     return fill
 

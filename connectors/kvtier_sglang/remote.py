@@ -90,8 +90,10 @@ def write_filled(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page
     items = []
     for i, key in enumerate(keys):
         src = src_for(i)
-        items.append(FilledEntry(key, HEADER_SIZE + page_nbytes(src), page_framer(cache, key, src, page_tokens),
-                                 depth0 + i, keys[i - 1] if i else parent0))
+        # The server reads the page as soon as it is sent: ordinary stores leave it in cache.
+        fill = page_framer(cache, key, src, page_tokens, streaming=False)
+        items.append(FilledEntry(key, HEADER_SIZE + page_nbytes(src), fill, depth0 + i,
+                                 keys[i - 1] if i else parent0))
     stored = tier.put_filled(items)
     metrics = cache.store.metrics
     metrics.bytes_written.labels(tier.name).inc(sum(i.length for i, ok in zip(items, stored) if ok))

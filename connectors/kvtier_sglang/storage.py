@@ -58,7 +58,15 @@ from .arena import leasing_tier, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .iothreads import IOThreads
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
-from .pages import PageGeometry, geometry_of, load_page, page_slots, page_view, save_page
+from .pages import (
+    PageGeometry,
+    geometry_of,
+    load_page,
+    page_slots,
+    page_view,
+    save_page,
+    save_page_hashed,
+)
 from .readahead import read_ahead
 from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
@@ -291,8 +299,11 @@ class KVTierStorage(HiCacheStorage):
                 i = first + start + k
                 src = views[start + k]
                 if raw:
-                    save_page(src, memoryview(batch[k])[HEADER_SIZE:HEADER_SIZE + geo.page_bytes])
-                    data = frame_raw_chunk(batch[k], self.namespace, xkeys[i], cache.spec.kv_dtype, shape)
+                    # A reused buffer the store's write takes at once: left in cache.
+                    digest = save_page_hashed(src, memoryview(batch[k])[HEADER_SIZE:HEADER_SIZE + geo.page_bytes],
+                                              streaming=False)
+                    data = frame_raw_chunk(batch[k], self.namespace, xkeys[i], cache.spec.kv_dtype, shape,
+                                           payload_xxh3=digest)
                 else:
                     scratch = self._scratch_page(geo.page_bytes)
                     save_page(src, scratch)
