@@ -2,13 +2,14 @@
  * kvtier.memcopy's gather_into / scatter_from; numpy's strided copy is the reference).
  *
  *     bind_hash(path) -> bool            bind the xxhash package's XXH3 (see _xxh3.h)
- *     gather(dst, src, start, offsets, run, digest, streaming) -> int
+ *     gather(dst, src, start, offsets, run, digest) -> int
  *         dst[i*run : (i+1)*run] = src[start+offsets[i] : start+offsets[i]+run] for every i;
  *         returns the xxh3_64 of dst's bytes when digest is true (bind_hash first), else 0.
- *         streaming: non-temporal stores (below); else ordinary ones, for a dst read again at
- *         once (a reused buffer a socket or file write takes next), hashed from cache.
  *     scatter(dst, start, offsets, src, run) -> None
  *         dst[start+offsets[i] : start+offsets[i]+run] = src[i*run : (i+1)*run].
+ *
+ * For a dst that is read again at once (a reused buffer a socket or file write takes next)
+ * streaming stores are the wrong tool (measured slower there): callers use numpy/torch.
  *
  * Why: a page stored in a cache is not read again soon, and a page restored into an engine's
  * host pool is next read by a DMA engine or another thread. Ordinary stores to memory that is
@@ -185,35 +186,11 @@ static uint64_t gather_streaming(job_t *j, scratch_t *s, int digest) {
     return digest ? xxh_digest(s->state) : 0;
 }
 
-/* Gather the runs straight into dst with ordinary stores (it stays in cache for its next
- * reader), hashing each BOUNCE bytes of dst as soon as they are in, from cache. */
-static uint64_t gather_cached(job_t *j, scratch_t *s, int digest) {
-    const char *base = (const char *)j->src.buf + j->start;
-    const int64_t *off = j->off.buf;
-    char *out = j->dst.buf;
-    size_t done = 0, hashed = 0, run = (size_t)j->run;
-    if (digest)
-        xxh_reset(s->state);
-    for (Py_ssize_t i = 0; i < j->n; i++) {
-        memcpy(out + done, base + off[i], run);
-        done += run;
-        if (digest && done - hashed >= BOUNCE) {
-            xxh_update(s->state, out + hashed, done - hashed);
-            hashed = done;
-        }
-    }
-    if (digest) {
-        xxh_update(s->state, out + hashed, done - hashed);
-        return xxh_digest(s->state);
-    }
-    return 0;
-}
-
 static PyObject *gather(PyObject *self, PyObject *args) {
     PyObject *dst, *src, *offsets;
-    int digest, streaming;
+    int digest;
     job_t j;
-    if (!PyArg_ParseTuple(args, "OOnOnpp", &dst, &src, &j.start, &offsets, &j.run, &digest, &streaming))
+    if (!PyArg_ParseTuple(args, "OOnOnp", &dst, &src, &j.start, &offsets, &j.run, &digest))
         return NULL;
     if (digest && xxh_create == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "gather: bind_hash first");
@@ -232,7 +209,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     }
     uint64_t h;
     Py_BEGIN_ALLOW_THREADS
-    h = streaming ? gather_streaming(&j, s, digest) : gather_cached(&j, s, digest);
+    h = gather_streaming(&j, s, digest);
     Py_END_ALLOW_THREADS
     release(&j);
     return PyLong_FromUnsignedLongLong(h);
@@ -268,7 +245,7 @@ static PyObject *bind_hash(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"bind_hash", bind_hash, METH_VARARGS, "Bind the xxhash package's XXH3_64bits (its shared object's path)."},
-    {"gather", gather, METH_VARARGS, "gather(dst, src, start, offsets, run, digest, streaming) -> xxh3_64 of dst or 0."},
+    {"gather", gather, METH_VARARGS, "gather(dst, src, start, offsets, run, digest) -> xxh3_64 of dst or 0."},
     {"scatter", scatter, METH_VARARGS, "scatter(dst, start, offsets, src, run) -> None."},
     {NULL, NULL, 0, NULL},
 };

@@ -10,8 +10,12 @@ of a pool has the same runs, so callers compute them once per shape and reuse th
 the optional C loop ``kvtier._stream``: streaming stores that write destination lines without
 first reading them (a stored page is not read again soon; a restored one is next read by a DMA
 engine or another thread), and for a gather the payload's xxh3 taken on the way, from an
-L2-sized bounce buffer (what is hashed is what is stored). Where it is not built, numpy's
-strided copy and a separate xxh3 pass do the same. Both release the GIL while copying.
+L2-sized bounce buffer (what is hashed is what is stored). A destination read again at once
+(a reused buffer a socket or file write takes next) is better left to torch or numpy: a C
+gather there (streaming, or ordinary stores with the hash taken from cache) measured 10-15 %
+slower than torch's copy and a separate hash (bench/e2e_sglang.py, 2026-12-07). Where the C
+loop is not built, numpy's strided copy and a separate xxh3 pass do the same. Both release
+the GIL while copying.
 
 Failure: a ValueError naming the mismatch (sizes, a run outside its buffer) before anything
 is copied. Threads: any; concurrent calls must not write the same bytes.
@@ -43,11 +47,10 @@ def _load() -> Any:
         data = (bytes(range(256)) * (n // 256 + 1))[:n]
         out = bytearray(n)
         offsets = np.zeros(1 if n else 0, np.int64).data
-        for streaming in (True, False):
-            got = _stream.gather(out, data, 0, offsets, max(n, 1), True, streaming)
-            if got != xxhash.xxh3_64_intdigest(data) or out != data:
-                log.warning("kvtier._stream's gather disagrees with numpy and xxhash: not used")
-                return None
+        got = _stream.gather(out, data, 0, offsets, max(n, 1), True)
+        if got != xxhash.xxh3_64_intdigest(data) or out != data:
+            log.warning("kvtier._stream's gather disagrees with numpy and xxhash: not used")
+            return None
     return _stream
 
 
@@ -110,16 +113,15 @@ def _strided(buf: Any, start: int, runs: Runs, writable: bool) -> np.ndarray:
                                            strides=runs.strides + (1,), writeable=writable)
 
 
-def gather_into(dst: Any, src: Any, start: int, runs: Runs, *, streaming: bool = True) -> int:
+def gather_into(dst: Any, src: Any, start: int, runs: Runs) -> int:
     """Copy the runs of ``src`` (a buffer; the region begins ``start`` bytes in) into ``dst``
-    (a writable contiguous buffer of exactly ``runs.nbytes``); returns the xxh3_64 of the
-    bytes written. ``streaming=False`` where ``dst`` is read again at once (a reused buffer
-    that a file or socket write takes next): ordinary stores leave it in cache."""
+    (a writable contiguous buffer of exactly ``runs.nbytes``, best one not read again soon:
+    a cache's slot); returns the xxh3_64 of the bytes written."""
     out = np.frombuffer(dst, np.uint8)
     if out.nbytes != runs.nbytes:
         raise ValueError(f"dst is {out.nbytes} bytes; the runs are {runs.nbytes}")
     if _STREAM is not None:
-        return int(_STREAM.gather(out, src, start, runs.offsets, runs.run, True, streaming))
+        return int(_STREAM.gather(out, src, start, runs.offsets, runs.run, True))
     np.copyto(out.reshape(runs.shape + (runs.run,)), _strided(src, start, runs, writable=False))
     return xxhash.xxh3_64_intdigest(out.data)
 

@@ -131,11 +131,11 @@ def save_page(view: torch.Tensor, out: Buffer) -> None:
 
 def save_page_hashed(view: torch.Tensor, out: Buffer, *, streaming: bool = True) -> int:
     """:func:`save_page`, returning the xxh3_64 of the bytes written (a raw chunk's payload
-    checksum): with kvtier's C loop taken during the copy, from cache; else a second pass.
-    ``streaming``: see :func:`kvtier.strided.gather_into` (False for a buffer read at once)."""
-    if accelerated() and view.device.type == "cpu":
+    checksum). ``streaming`` (a cache's slot, not read again soon): kvtier's C loop, the hash
+    taken during the copy; else (a buffer a write takes at once) torch's copy, then xxh3."""
+    if streaming and accelerated() and view.device.type == "cpu":
         base, start, runs = _region(view)
-        return gather_into(_checked(out, view), base, start, runs, streaming=streaming)
+        return gather_into(_checked(out, view), base, start, runs)
     _tensor_over(out, view).copy_(view)
     return xxhash.xxh3_64_intdigest(out)
 
