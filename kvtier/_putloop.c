@@ -38,6 +38,7 @@
 #include <sys/socket.h>
 
 #include "_xxh3.h"
+#include "_streamcopy.h"
 
 #define HEADER_SIZE 16
 #define KEY_BYTES 32
@@ -107,17 +108,30 @@ typedef struct {
     size_t seg_len;
 } run_t;
 
-/* Copy src into dst (n bytes) piece by piece, hashing each piece of dst[hash_from:] right
- * after it is copied, into the reset state; the digest (0 for n < hash_from). */
+/* Copy src into dst (n bytes), hashing dst[hash_from:] into the reset state; the digest (0 for
+ * n < hash_from). dst is a RAM slot the chunk is stored in: the copy goes through this thread's
+ * bounce buffer (in L2): memcpy in, hash there, streaming stores out (_streamcopy.h), so dst's
+ * lines are not read first and the hash is of exactly the stored bytes, whatever the client
+ * does to its segment meanwhile. Without a bounce buffer (no memory for one): piece by piece,
+ * each piece of dst hashed right after it is copied, while in cache. */
 static uint64_t copy_hash_into(void *state, char *dst, const char *src, size_t n, size_t hash_from, size_t step) {
     xxh_reset(state);
+    scratch_t *s = scratch();
+    char *via = s != NULL ? s->bounce : NULL;
+    if (via != NULL)
+        step = BOUNCE;
     for (size_t done = 0; done < n; done += step) {
         size_t len = n - done < step ? n - done : step;
-        memcpy(dst + done, src + done, len);
+        char *piece = via != NULL ? via : dst + done;
+        memcpy(piece, src + done, len);
         size_t from = done > hash_from ? done : hash_from;
         if (done + len > from)
-            xxh_update(state, dst + from, done + len - from);
+            xxh_update(state, piece + (from - done), done + len - from);
+        if (via != NULL)
+            stream_range(dst + done, via, len);
     }
+    if (via != NULL)
+        stream_fence();
     return n >= hash_from ? xxh_digest(state) : 0;
 }
 
@@ -218,10 +232,11 @@ static Py_ssize_t run_frames(run_t *r, char **bufs, Py_ssize_t *lens, Py_ssize_t
     return n;
 }
 
-/* copy_hash(dst, src, hash_from, piece) -> int: copy src into dst (same size) piece bytes at a
- * time, hashing each piece of dst[hash_from:] right after it is copied (while in cache); the
- * GIL released. The hash is of the copy: what is stored is what was verified, whatever the
- * source (a client's shared segment) does meanwhile. */
+/* copy_hash(dst, src, hash_from, piece) -> int: copy src into dst (same size), hashing
+ * dst[hash_from:] (copy_hash_into: through the bounce buffer with streaming stores; piece
+ * bytes at a time, each hashed right after it is copied, only where no bounce buffer could be
+ * made); the GIL released. The hash is of the copy: what is stored is what was verified,
+ * whatever the source (a client's shared segment) does meanwhile. */
 static PyObject *copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     Py_ssize_t hash_from, piece;
@@ -346,6 +361,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier._putloop",
 
 /* The wire constants it was built with, for the test that holds them to the Python ones. */
 PyMODINIT_FUNC PyInit__putloop(void) {
+    if (scratch_init() != 0)
+        return PyErr_NoMemory();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

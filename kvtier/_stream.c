@@ -30,83 +30,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#define STREAMING 1
-#else
-#define STREAMING 0
-#endif
-
 #include "_xxh3.h"
-
-#define BOUNCE (128 << 10) /* fits a core's L2 with room for the hash's and the runs' lines */
-
-/* n bytes from s to d: streaming stores for the 16-byte-aligned body of d, memcpy around it.
- * The caller fences (stream_fence) before the data may be read by another thread. */
-static void stream_range(char *d, const char *s, size_t n) {
-#if defined(__x86_64__)
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    size_t body = n & ~(size_t)63;
-    for (size_t j = 0; j < body; j += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + j));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + j + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + j + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + j + 48));
-        _mm_stream_si128((__m128i *)(d + j), a);
-        _mm_stream_si128((__m128i *)(d + j + 16), b);
-        _mm_stream_si128((__m128i *)(d + j + 32), c);
-        _mm_stream_si128((__m128i *)(d + j + 48), e);
-    }
-    memcpy(d + body, s + body, n - body);
-#else
-    memcpy(d, s, n);
-#endif
-}
-
-static void stream_fence(void) {
-#if defined(__x86_64__)
-    _mm_sfence(); /* streaming stores are weakly ordered: make them visible before we return */
-#endif
-}
-
-/* The calling thread's bounce buffer and hash state, freed when the thread ends. */
-static pthread_key_t scratch_key;
-
-typedef struct {
-    char *bounce;
-    void *state;
-} scratch_t;
-
-static void scratch_free(void *p) {
-    scratch_t *s = p;
-    if (s->state != NULL && xxh_free != NULL)
-        xxh_free(s->state);
-    free(s->bounce);
-    free(s);
-}
-
-static scratch_t *scratch(void) {
-    scratch_t *s = pthread_getspecific(scratch_key);
-    if (s != NULL)
-        return s;
-    s = calloc(1, sizeof *s);
-    if (s == NULL)
-        return NULL;
-    if (posix_memalign((void **)&s->bounce, 64, BOUNCE) != 0) {
-        free(s);
-        return NULL;
-    }
-    pthread_setspecific(scratch_key, s);
-    return s;
-}
+#include "_streamcopy.h"
 
 typedef struct {
     Py_buffer dst, src, off;
@@ -253,7 +178,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_stream", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__stream(void) {
-    if (pthread_key_create(&scratch_key, scratch_free) != 0)
+    if (scratch_init() != 0)
         return PyErr_NoMemory();
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", STREAMING) < 0) {

@@ -108,3 +108,19 @@ def test_a_plane_leaves_no_thread_behind() -> None:
     for _ in range(3):
         _converse(b"", with_loop=put_run.available())
     assert [t.name for t in set(threading.enumerate()) - before] == []
+
+
+@pytest.mark.skipif(not put_run.available(), reason="kvtier._putloop not built here (optional accelerator)")
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, (128 << 10) - 1, 128 << 10, (128 << 10) + 1, (4 << 20) + 4096 + 17])
+def test_copy_hash_stores_the_chunk_and_hashes_what_it_stored(n: int) -> None:
+    """The shared-memory PUT's copy into a slot (through the bounce buffer, streaming stores):
+    every byte arrives, and the digest is xxh3 of the copy from ``hash_from`` on (0 when the
+    chunk is shorter), for sizes around the bounce buffer's and starts inside and past it."""
+    import xxhash
+
+    src = os.urandom(n)
+    for hash_from in (0, 64, 200_000):
+        dst = bytearray(n)
+        got = put_run._PUTLOOP.copy_hash(dst, src, hash_from, put_run.PIECE)
+        assert dst == src
+        assert got == (xxhash.xxh3_64_intdigest(src[hash_from:]) if n >= hash_from else 0)
