@@ -10,9 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 import xxhash
+from kvtier_sglang.pages import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    PageGeometry,
+    load_page,
+    page_view,
+    save_page_hashed,
+)
 
 from kvtier import strided
-from kvtier_sglang.pages import MHA_LAYOUTS, MLA_LAYOUTS, PageGeometry, load_page, page_view, save_page_hashed
 
 CASES = [(layout, False) for layout in MHA_LAYOUTS] + [(layout, True) for layout in MLA_LAYOUTS]
 SHAPES = [(2, 4, 16, 8, torch.bfloat16), (3, 1, 8, 4, torch.float32), (1, 2, 64, 1, torch.float16)]
