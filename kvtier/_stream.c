@@ -81,12 +81,18 @@ static int prepare(job_t *j, PyObject *dst, PyObject *src, PyObject *offsets, in
 }
 
 /* Gather the runs into dst through the bounce buffer: memcpy into it, hash it there, stream
- * it out. What is hashed is what is stored. */
+ * it out (what is hashed is what is stored); with nothing to hash, streamed straight out. */
 static uint64_t gather_streaming(job_t *j, scratch_t *s, int digest) {
     const char *base = (const char *)j->src.buf + j->start;
     const int64_t *off = j->off.buf;
     char *out = j->dst.buf;
     size_t fill = 0, run = (size_t)j->run;
+    if (!digest) { /* nothing to hash: straight from each run to dst */
+        for (Py_ssize_t i = 0; i < j->n; i++)
+            stream_range(out + i * run, base + off[i], run);
+        stream_fence();
+        return 0;
+    }
     if (digest)
         xxh_reset(s->state);
     for (Py_ssize_t i = 0; i < j->n; i++) {

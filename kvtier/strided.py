@@ -126,6 +126,22 @@ def gather_into(dst: Any, src: Any, start: int, runs: Runs) -> int:
     return xxhash.xxh3_64_intdigest(out.data)
 
 
+_ONE_RUN = np.zeros(1, np.int64)
+
+
+def stream_copy(dst: Any, src: Any) -> None:
+    """Copy the contiguous buffer ``src`` into ``dst`` (writable, contiguous, the same length;
+    ValueError otherwise) with streaming stores: for a destination not read again soon (a
+    cache's slot). numpy's copy where the C loop is not built."""
+    out, data = np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8)
+    if out.nbytes != data.nbytes:
+        raise ValueError(f"copy of {data.nbytes} bytes into a buffer of {out.nbytes}")
+    if _STREAM is not None and out.nbytes:
+        _STREAM.gather(out, data, 0, _ONE_RUN, out.nbytes, False)
+        return
+    np.copyto(out, data)
+
+
 def scatter_from(dst: Any, start: int, runs: Runs, src: Any) -> None:
     """Copy ``src`` (a contiguous buffer of exactly ``runs.nbytes``) into the runs of ``dst``
     (a writable buffer; the region begins ``start`` bytes in)."""

@@ -156,11 +156,11 @@ def test_cpu_slot_being_read_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> N
     started, release = threading.Event(), threading.Event()
     copy = cpu_module.copy_into
 
-    def slow_copy(dst: memoryview, src: memoryview) -> None:
+    def slow_copy(dst: memoryview, src: memoryview, *, streaming: bool = False) -> None:
         """The read's copy out of the slot, held open until released."""
         started.set()
         release.wait(10)
-        copy(dst, src)
+        copy(dst, src, streaming=streaming)
 
     monkeypatch.setattr(cpu_module, "copy_into", slow_copy)
     out = bytearray(CHUNK)

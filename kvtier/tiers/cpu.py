@@ -25,7 +25,8 @@ Threads
     reader can find it) and goes back to the free list when its last reader leaves. So a reader
     never sees a slot reused under it, and one thread's copy never blocks another thread's
     lookups. ``put`` and ``get_into`` copy with :func:`kvtier.memcopy.copy_into`, which releases
-    the GIL for large chunks: threads (kvtier-server's connections) copy at once, not in turn.
+    the GIL for large chunks: threads (kvtier-server's connections) copy at once, not in turn;
+    ``put`` with streaming stores (the C loop's fence orders them before the slot is published).
 Lazy arena (``lazy=True``, kvtier-server)
     For an owner that shares one RAM budget among several tiers: the arena (pageable,
     ``pin_memory="never"``) is *not* pre-touched (a slot's pages are faulted in by the first
@@ -303,7 +304,9 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
 
         def copy(dst: memoryview) -> None:
-            copy_into(dst, src)  # the GIL released meanwhile: other threads' copies run at once
+            # The GIL released meanwhile (other threads' copies run at once); streaming stores:
+            # a slot is not read again soon, so its lines need not be read before written.
+            copy_into(dst, src, streaming=True)
 
         return self._put(e.key, len(src), copy, e.depth, e.parent, evicted)
 
