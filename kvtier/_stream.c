@@ -1,5 +1,5 @@
 /* Strided copies of K/V pages with non-temporal stores (optional accelerator of
- * kvtier.memcopy's gather_into / scatter_from; numpy's strided copy is the reference).
+ * kvtier.strided's gather_into / scatter_from / stream_copy; numpy's copy is the reference).
  *
  *     bind_hash(path) -> bool            bind the xxhash package's XXH3 (see _xxh3.h)
  *     gather(dst, src, start, offsets, run, digest) -> int
@@ -16,7 +16,8 @@
  * not in cache first read each destination line (read-for-ownership) and write it back later:
  * three passes over DRAM per copy. Non-temporal (streaming) stores write whole lines without
  * reading them: two. On this project's 2-core VM a 4 MiB page gather into cold memory plus its
- * checksum ran 4.1 GB/s through torch's strided copy, 5.4 here (bench/e2e_sglang.py).
+ * checksum ran 3.8-4.4 GB/s through torch's strided copy, 5.0-5.6 here (a scratch harness;
+ * docs/sglang.md, fifteenth session).
  *
  * gather copies through a small per-thread bounce buffer that stays in the L2 cache: the runs
  * are gathered into it with memcpy, hashed there, then streamed to dst. What is hashed is
@@ -93,8 +94,7 @@ static uint64_t gather_streaming(job_t *j, scratch_t *s, int digest) {
         stream_fence();
         return 0;
     }
-    if (digest)
-        xxh_reset(s->state);
+    xxh_reset(s->state);
     for (Py_ssize_t i = 0; i < j->n; i++) {
         const char *from = base + off[i];
         size_t left = run;
@@ -103,18 +103,16 @@ static uint64_t gather_streaming(job_t *j, scratch_t *s, int digest) {
             memcpy(s->bounce + fill, from, take);
             fill += take, from += take, left -= take;
             if (fill == BOUNCE) {
-                if (digest)
-                    xxh_update(s->state, s->bounce, fill);
+                xxh_update(s->state, s->bounce, fill);
                 stream_range(out, s->bounce, fill);
                 out += fill, fill = 0;
             }
         }
     }
-    if (digest)
-        xxh_update(s->state, s->bounce, fill);
+    xxh_update(s->state, s->bounce, fill);
     stream_range(out, s->bounce, fill);
     stream_fence();
-    return digest ? xxh_digest(s->state) : 0;
+    return xxh_digest(s->state);
 }
 
 static PyObject *gather(PyObject *self, PyObject *args) {
