@@ -125,8 +125,9 @@ def load_page(view: torch.Tensor, payload: Buffer) -> None:
 
 def save_page(view: torch.Tensor, out: Buffer) -> None:
     """Copy ``view`` (a :func:`page_view`) into the writable buffer ``out`` (exactly the
-    page's size) in canonical order."""
-    save_page_hashed(view, out)
+    page's size) in canonical order: torch's copy, for a buffer read at once (a codec's
+    scratch page)."""
+    _tensor_over(out, view).copy_(view)
 
 
 def save_page_hashed(view: torch.Tensor, out: Buffer, *, streaming: bool = True) -> int:
@@ -136,7 +137,7 @@ def save_page_hashed(view: torch.Tensor, out: Buffer, *, streaming: bool = True)
     if streaming and accelerated() and view.device.type == "cpu":
         base, start, runs = _region(view)
         return gather_into(_checked(out, view), base, start, runs)
-    _tensor_over(out, view).copy_(view)
+    save_page(view, out)
     return xxhash.xxh3_64_intdigest(out)
 
 

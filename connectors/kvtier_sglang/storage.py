@@ -48,25 +48,17 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.cache import PrefixCache, VerifiedRun
-from kvtier.chunk import HEADER_SIZE, encode_chunk, frame_raw_chunk, page_aligned_buffer
+from kvtier.chunk import HEADER_SIZE, encode_chunk, page_aligned_buffer
 from kvtier.codec import Buf, Codec
 from kvtier.errors import KVTierError
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 
-from .arena import leasing_tier, read_leased, writable_tier, write_in_place
+from .arena import leasing_tier, page_framer, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .iothreads import IOThreads
 from .namespace import check_supported, fit_slots, namespace_spec, store_keys
-from .pages import (
-    PageGeometry,
-    geometry_of,
-    load_page,
-    page_slots,
-    page_view,
-    save_page,
-    save_page_hashed,
-)
+from .pages import PageGeometry, geometry_of, load_page, page_slots, page_view, save_page
 from .readahead import read_ahead
 from .remote import filling_tier, read_visited, remote_tier, write_filled
 from .settings import load_settings
@@ -298,12 +290,9 @@ class KVTierStorage(HiCacheStorage):
             for k in range(n):
                 i = first + start + k
                 src = views[start + k]
-                if raw:
-                    # A reused buffer the store's write takes at once: left in cache.
-                    digest = save_page_hashed(src, memoryview(batch[k])[HEADER_SIZE:HEADER_SIZE + geo.page_bytes],
-                                              streaming=False)
-                    data = frame_raw_chunk(batch[k], self.namespace, xkeys[i], cache.spec.kv_dtype, shape,
-                                           payload_xxh3=digest)
+                if raw:  # a buffer the store's write takes at once: ordinary stores leave it in cache
+                    data = memoryview(batch[k])[:HEADER_SIZE + geo.page_bytes]
+                    page_framer(cache, xkeys[i], src, geo.page_tokens, streaming=False)(data)
                 else:
                     scratch = self._scratch_page(geo.page_bytes)
                     save_page(src, scratch)
