@@ -303,9 +303,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
         src = e.data if isinstance(e.data, (bytes, bytearray)) else memoryview(e.data).cast("B")
 
-        def copy(dst: memoryview) -> None:
-            # The GIL released meanwhile (other threads' copies run at once); streaming stores:
-            # a slot is not read again soon, so its lines need not be read before written.
+        def copy(dst: memoryview) -> None:  # the GIL released; streaming: see "Threads" above
             copy_into(dst, src, streaming=True)
 
         return self._put(e.key, len(src), copy, e.depth, e.parent, evicted)
