@@ -47,13 +47,6 @@
 #define FLAG_SHM 4
 #define REF_SIZE 16 /* offset u64 || length u64, little-endian */
 
-static PyObject *bind_hash(PyObject *self, PyObject *args) {
-    const char *path;
-    if (!PyArg_ParseTuple(args, "s", &path))
-        return NULL;
-    return PyBool_FromLong(bind_xxh3(path));
-}
-
 static uint64_t le64(const unsigned char *p) {
     uint64_t v = 0;
     for (int k = 7; k >= 0; k--)

@@ -60,7 +60,7 @@ static int prepare(job_t *j, PyObject *dst, PyObject *src, PyObject *offsets, in
     }
     j->n = j->off.len / 8;
     if (j->run <= 0 || j->start < 0) {
-        PyErr_Format(PyExc_ValueError, "run %zd and start %zd must be positive", j->run, j->start);
+        PyErr_Format(PyExc_ValueError, "run %zd must be positive and start %zd not negative", j->run, j->start);
         return -1;
     }
     Py_buffer *flat = gather ? &j->dst : &j->src, *strided = gather ? &j->src : &j->dst;
@@ -163,13 +163,6 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     release(&j);
     Py_RETURN_NONE;
-}
-
-static PyObject *bind_hash(PyObject *self, PyObject *args) {
-    const char *path;
-    if (!PyArg_ParseTuple(args, "s", &path))
-        return NULL;
-    return PyBool_FromLong(bind_xxh3(path));
 }
 
 static PyMethodDef methods[] = {

@@ -4,6 +4,7 @@
  * nothing new is loaded), and each module's Python side checks the bound functions against
  * xxhash.xxh3_64_intdigest before it relies on them. The state is opaque here (made by
  * XXH3_createState). Each module including this has its own pointers; both name one library.
+ * Include after Python.h: bind_hash is the modules' shared Python entry point.
  */
 #ifndef KVTIER_XXH3_H
 #define KVTIER_XXH3_H
@@ -42,6 +43,14 @@ static int bind_xxh3(const char *path) {
     xxh_update = (xxh_update_fn)update;
     xxh_digest = (xxh_digest_fn)digest;
     return 1;
+}
+
+/* bind_hash(path) -> bool: bind_xxh3 for Python (each module's load-time self-check calls it). */
+static PyObject *bind_hash(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path))
+        return NULL;
+    return PyBool_FromLong(bind_xxh3(path));
 }
 
 #endif
