@@ -15,7 +15,7 @@ from typing import Any
 from _loopback import LoopbackClient
 
 BATCH_BYTES = 8 << 20
-ROTATION = 4  # batches an "evicting" client puts in turn (bench/remote.py's server holds 2 per client)
+ROTATION = 4  # batches an "evicting" (or "rewriting") client puts in turn (bench/remote.py's server holds 2 per client)
 TENANT_TOKEN = "bench-token-{:06d}"  # the many-tenant server's tokens (bench/remote.py)
 
 
@@ -61,9 +61,11 @@ class _Client:
             from kvtier.tiers.base import Entry
             from kvtier.tiers.remote import GrpcTier
 
-            # "tenants": the many-tenant server, as tenant 0; "evicting": the full server
+            # "tenants": the many-tenant server, as tenant 0; "evicting": the full server;
+            # "rewriting": the first server over shm, as "evicting" but rewriting its own keys
             node, data_path = {"tenants": ("kvtier_tenants", "socket"),
-                               "evicting": ("kvtier_evicting", "shm")}.get(path, ("kvtier", path))
+                               "evicting": ("kvtier_evicting", "shm"),
+                               "rewriting": ("kvtier", "shm")}.get(path, ("kvtier", path))
             self.tier = GrpcTier(GrpcTierConfig(
                 enabled=True, nodes=(addr[node],), data_path=data_path, timeout_s=60,
                 token=TENANT_TOKEN.format(0) if path == "tenants" else ""))
@@ -73,6 +75,8 @@ class _Client:
             if path == "evicting":
                 self.batches = [[Entry(k, chunk(k, p)) for k, p in
                                  zip((_key(wid, size, r, i) for i in range(n)), payloads)] for r in range(ROTATION)]
+            elif path == "rewriting":  # the same keys each time, from as much client memory as "evicting"
+                self.batches = [[Entry(k, chunk(k, p)) for k, p in zip(self.keys, payloads)] for _ in range(ROTATION)]
             self.turn = 0
             self.outs = _receive_buffers(self.values)
         elif system == "redis":

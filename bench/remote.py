@@ -43,8 +43,12 @@ per-request cost that grows with the tenant count shows here (the RAM budget che
 every tenant's usage on every PUT); 1.0 is the target. ``shm_put_evicting_vs_rewriting``: the
 shm PUT of chunks new to a third kvtier-server (LRU, room for two batches per client; each
 client puts four batches of distinct keys in turn), so every chunk evicts an older one, the
-steady state of a full cache, against the shm PUT that rewrites the same keys (the headline
-put, which reuses each key's own slot); 1.0 is the target.
+steady state of a full cache, against the shm PUT that rewrites the same keys (each reuses its
+own slot) from as much client memory: four batches of values for the one batch of keys, put
+in turn (``kvtier-rewriting``); 1.0 is the target. ``shm_put_evicting_vs_shm_put`` is what that
+key compared before: the same evicting PUT against the headline shm PUT, whose clients put one
+batch of values again and again, so they read a quarter of the memory (cache-warm where the
+evicting clients' four batches are not).
 ``socket_{get,put}_vs_lmcache`` and ``shm_get_vs_lmcache`` compare with LMCache's ``lm://``
 server driven by the same workers (pipelined GETs into preallocated buffers;
 bench/peer_lmcache.py), skipped with a message when lmcache is not installed (not a CI
@@ -203,6 +207,7 @@ def run_plan(quick: bool, tuned: bool, lmcache: bool = False) -> dict[tuple[str,
              ("kvtier", "grpc", "get"), ("kvtier", "grpc", "get_into"), ("redis", "-", "put"),
              ("redis", "-", "get"), ("tcp", "asyncio", "put"), ("tcp", "asyncio", "get"),
              ("tcp", "hot", "put"), ("tcp", "hot", "get"), ("kvtier", "tenants", "put"), ("kvtier", "evicting", "put"),
+             ("kvtier", "rewriting", "put"),
              ("memcpy", "two", "get")]
     extra += [("lmcache", "-", "put"), ("lmcache", "-", "get")] if lmcache else []
     plan = {}
@@ -362,8 +367,12 @@ def main() -> None:
         # the same socket PUT to a server with TENANTS tenants against the one-tenant server
         f"socket_put_{TENANTS}_tenants_vs_1": ("kvtier-tenants put", "kvtier-socket put"),
         # the shm PUT of new chunks into a full server (each evicts an older one) against the
-        # shm PUT rewriting the same keys (each takes its own old slot back)
-        "shm_put_evicting_vs_rewriting": ("kvtier-evicting put", "kvtier-shm put"),
+        # shm PUT rewriting the same keys (each takes its own old slot back), both clients
+        # putting ROTATION batches of values in turn (the same client memory on both sides)
+        "shm_put_evicting_vs_rewriting": ("kvtier-evicting put", "kvtier-rewriting put"),
+        # the same against the headline shm PUT, whose clients put one batch of values again
+        # and again (4x less client memory to read: what shm_put_evicting_vs_rewriting was)
+        "shm_put_evicting_vs_shm_put": ("kvtier-evicting put", "kvtier-shm put"),
     }
     out: dict[str, Any] = {key: ratio(a + at, b + at) for key, (a, b) in pairs.items()}
     out.update({

@@ -41,3 +41,32 @@ def test_evicting_puts_are_new_chunks_that_evict_older_ones(tmp_path: Path) -> N
         client.close()
         proc.terminate()
         assert proc.wait(20) in (0, -15)
+
+
+def test_rewriting_puts_the_same_keys_from_as_much_client_memory(tmp_path: Path) -> None:
+    """The baseline of ``shm_put_evicting_vs_rewriting``: the same keys every time (nothing is
+    evicted; each put takes its own old slot back), from ROTATION distinct batches of values,
+    as much client memory as the evicting client reads, over shared memory."""
+    per_batch = BATCH_BYTES // MiB
+    proc, addr = start_kvtier(tmp_path, slots=4 * per_batch)
+    client = _Client("kvtier", "rewriting", {"kvtier": addr}, 0, MiB)
+    evicting = _Client("kvtier", "evicting", {"kvtier_evicting": addr}, 0, MiB)
+    probe = GrpcTier(GrpcTierConfig(enabled=True, nodes=(addr,), data_path="socket", timeout_s=30))
+    try:
+        assert len(client.batches) == ROTATION
+        assert all([e.key for e in batch] == client.keys for batch in client.batches)
+        values = [e.data for batch in client.batches for e in batch]
+        assert len({id(v) for v in values}) == ROTATION * per_batch  # distinct memory, not one batch reused
+        assert sum(map(len, values)) == sum(len(e.data) for batch in evicting.batches for e in batch)
+        assert client.tier.nodes[0].data is not None and client.tier.nodes[0].data.kind == "shm"
+        for _ in range(2 * ROTATION):
+            client.put()  # asserts every chunk was stored
+            assert probe.probe(client.keys).hits == per_batch
+        got = probe.get(client.keys)
+        assert [bytes(g) for g in got] == [e.data for e in client.batches[client.turn]]  # type: ignore[arg-type]
+    finally:
+        probe.close()
+        evicting.close()
+        client.close()
+        proc.terminate()
+        assert proc.wait(20) in (0, -15)
