@@ -258,3 +258,97 @@ def test_a_file_longer_than_its_chunk_is_refused_without_reading_it_all(tmp_path
     assert tier._scratch.view.nbytes <= 1 * MiB  # its smallest size: nothing past the chunks
     assert not any(file_of(tier, k).exists() for k in keys)  # refused files are removed
     assert tier.check() == []
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_reading_a_sharers_chunk_into_a_full_tier_returns_that_chunk(tmp_path: Path, direct: bool) -> None:
+    """Adopting a sharer's file makes room; the evict listener's read of the victim must not
+    land in the buffer the first read's bytes are in (it did: get returned the victim's chunk)."""
+    size = len(chunk_for(key_of("own0")))
+    reader = open_tier(tmp_path, capacity=4 * (align_up(size) if direct else size), o_direct=direct)
+    writer = open_tier(tmp_path, capacity=64 * ALIGN, o_direct=direct)
+    seen: list[bytes] = []
+    reader.evict_listener = lambda k, v: seen.append(k)  # as TieredStore installs one
+    own = fill(reader, 4, "own")
+    x, y = key_of("shared-x"), key_of("shared-y")
+    assert writer.put([Entry(x, chunk_for(x)), Entry(y, chunk_for(y))]) == [True, True]
+    assert reader.get([x]) == [chunk_for(x)]
+    unaligned = memoryview(bytearray(len(chunk_for(y)) + 1))[1:]  # read via scratch, then copied
+    assert reader.get_into([y], [unaligned]) == [len(chunk_for(y))]
+    assert bytes(unaligned) == chunk_for(y)
+    assert seen == own[:2] and reader.check() == []
+
+
+def test_a_bad_read_leaves_a_good_file_a_sharer_published_since(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader opened K's file; before it reads, the sharer reuses that file for another key
+    and publishes a new K at the path. The reader's bad read must remove nothing but its inode."""
+    from kvtier.tiers.disk import direct_io
+
+    reader, sharer = open_tier(tmp_path, capacity=64 * ALIGN), open_tier(tmp_path, capacity=4 * ALIGN)
+    k = key_of("K")
+    assert sharer.put([Entry(k, chunk_for(k))]) == [True]
+    fill(sharer, 3, "f")
+    assert reader.contains([k]) == 1
+    read_file = direct_io.read_file
+
+    def sharer_moves_on(*args: object) -> object:
+        monkeypatch.setattr(direct_io, "read_file", read_file)
+        j = key_of("J")
+        assert sharer.put([Entry(j, chunk_for(j))]) == [True]  # evicts K: its file reused for J
+        assert sharer.put([Entry(k, chunk_for(k))]) == [True]  # K published again, a new file
+        return read_file(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(direct_io, "read_file", sharer_moves_on)
+    assert reader.get([k]) == [Miss(CORRUPT)]  # it held J's chunk by then
+    assert sharer.get([k]) == [chunk_for(k)] and reader.get([k]) == [chunk_for(k)]
+
+
+def test_a_read_only_medium_never_raises_nor_leaks_capacity(tmp_path: Path) -> None:
+    """A tmpfs remounted read-only under the tier: reads of a bad file, puts that must evict,
+    deletes all answer (misses, False) without raising; once writable again, the whole
+    capacity is usable (a put that failed used to keep its reservation for good)."""
+    mnt = tmp_path / f"ro-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                      check=False, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root in a VM or privileged container)")
+    try:
+        tier = open_tier(mnt, capacity=8 * ALIGN)
+        keys = fill(tier, 8)
+        path = file_of(tier, keys[0])
+        data = bytearray(path.read_bytes())
+        data[HEADER_SIZE] ^= 1  # the payload's first byte
+        path.write_bytes(bytes(data))
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        assert tier.get(keys[:1]) == [Miss(CORRUPT)]
+        new = [key_of(f"ro{i}") for i in range(3)]
+        assert tier.put([Entry(k, chunk_for(k)) for k in new]) == [False] * 3
+        assert tier.delete(keys[1:2]) == 1  # out of the index; the file stays where it cannot go
+        assert tier.check() == []
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        more = [key_of(f"rw{i}") for i in range(8)]
+        assert tier.put([Entry(k, chunk_for(k)) for k in more]) == [True] * 8
+        assert tier.usage().used_bytes == 8 * ALIGN and tier.check() == []
+        assert tier.get(more) == [chunk_for(k) for k in more]
+        tier.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_an_evict_listener_that_raises_gives_the_reservation_back(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, capacity=4 * ALIGN)
+    fill(tier, 4)
+
+    def broken(key: bytes, value: bytes) -> None:
+        raise RuntimeError("listener bug")
+
+    tier.evict_listener = broken
+    k = key_of("after")
+    with pytest.raises(RuntimeError, match="listener bug"):
+        tier.put([Entry(k, chunk_for(k))])
+    tier.evict_listener = None
+    more = [key_of(f"m{i}") for i in range(4)]
+    assert tier.put([Entry(m, chunk_for(m)) for m in more]) == [True] * 4
+    assert tier.usage().used_bytes == 4 * ALIGN and tier.check() == []
+    assert not [p for p in Path(tmp_path).rglob("*.tmp")]

@@ -7,11 +7,12 @@ page-aligned go through a per-thread aligned scratch buffer.
 
 Everything here is stateless or thread-local and raises ``OSError`` (medium) or
 :class:`~kvtier.errors.ChunkError` (bytes that cannot be trusted); the tier turns both into
-misses.
+misses. The unlinks do not raise: a file that cannot be removed is logged and stays.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -23,6 +24,7 @@ import xxhash
 from kvtier.chunk import HEADER_SIZE, ChunkHeader, decode_header
 from kvtier.errors import ChunkError
 
+log = logging.getLogger(__name__)
 ALIGN = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 TMP_MAX_AGE_S = 600.0  # no write takes this long: older temp files are leftovers
@@ -174,9 +176,28 @@ def stale_tmp(entry: os.DirEntry[str]) -> bool:
 
 def unlink(path: str) -> bool:
     """True when a file was removed; a missing one is not an error, nor is a directory
-    someone put where a file was expected (it is left alone)."""
+    someone put where a file was expected (it is left alone). A medium that refuses (read-only,
+    permissions, I/O error) is logged and answered False: the file stays, and the verb that
+    wanted it gone goes on (a failing medium never raises out of a tier's verb)."""
     try:
         os.unlink(path)
         return True
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
+    except OSError as exc:
+        log.warning("disk tier: cannot remove %s: %s", path, exc)
+        return False
+
+
+def unlink_if_same(path: str, fd: int) -> bool:
+    """Remove ``path`` only while it still names the file open as ``fd``: after a bad read,
+    a process sharing the directory may already have put a good chunk there (a new inode),
+    which must stay. (The window between the check and the unlink is a few system calls;
+    a file replaced inside it is lost as a miss, never read as wrong bytes.)"""
+    try:
+        mine, now = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+        return False
+    return unlink(path)

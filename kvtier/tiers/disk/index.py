@@ -53,9 +53,10 @@ class DiskIndex(BoundedTier):
         self._used = 0
         self._reserved = 0  # bytes promised to puts whose files are being written
 
-    def _read(self, key: bytes, out: memoryview | None, adopt: bool = True) -> memoryview | Miss:
+    def _read(self, key: bytes, out: memoryview | None, victim: bool = False) -> memoryview | Miss:
         """Read and verify ``key``'s chunk (see DiskTier); called under the lock for the
-        evict listener, with ``adopt=False``."""
+        evict listener with ``victim=True`` (never adopted; into a buffer of its own, as the
+        read that made room may still hold its bytes in this thread's scratch)."""
         raise NotImplementedError
 
     # --- start-up -----------------------------------------------------------------------------
@@ -86,7 +87,7 @@ class DiskIndex(BoundedTier):
         except NothingToEvict:
             return None
         if self.evict_listener is not None:
-            value = self._read(victim, None, adopt=False)
+            value = self._read(victim, None, victim=True)
             if isinstance(value, memoryview):
                 p.evicted.append((victim, bytes(value)))
         size = self._index.pop(victim, 0)  # 0: the listener's read found it corrupt

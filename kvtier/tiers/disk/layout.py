@@ -237,7 +237,11 @@ def write_file(data: memoryview, size: int, tmp: str, path: str, reused: int, di
             io.unlink(tmp)
             reused = 0
             if attempt == 0 and exc.errno == errno.ENOENT:  # shard dir removed under us
-                make_private_dir(os.path.dirname(path))
+                try:
+                    make_private_dir(os.path.dirname(path))
+                except OSError as mkdir_exc:  # e.g. replaced by a symlink: refused, not followed
+                    log.warning("disk tier: writing %s failed: %s", path, mkdir_exc)
+                    return mkdir_exc.errno or errno.EIO, direct
                 continue
             if attempt == 0 and exc.errno == errno.ELOOP:  # the reused file was a symlink
                 continue

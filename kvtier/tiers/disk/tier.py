@@ -38,6 +38,7 @@ a directory that cannot be created or written raises
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -79,6 +80,7 @@ class DiskTier(DiskIndex):
         self.config = config
         self._seq = itertools.count()
         self._scratch = io.Scratch()
+        self._victim_scratch = io.Scratch()  # the evict listener's reads (see _read)
         if config.read_threads > 1:
             start_pool()  # its threads start on this thread's CPUs (readers.py says why)
         self.dropped_puts = 0
@@ -88,9 +90,13 @@ class DiskTier(DiskIndex):
         self.rebuild_stats = self._rebuild()
 
     # --- reads --------------------------------------------------------------------------------
-    def _read(self, key: bytes, out: memoryview | None, adopt: bool = True) -> memoryview | Miss:
+    def _read(self, key: bytes, out: memoryview | None, victim: bool = False) -> memoryview | Miss:
         """Read and verify ``key``'s chunk; into ``out`` when given (then the result is a view
-        of ``out``) or else into this thread's scratch buffer (valid until its next use)."""
+        of ``out``) or else into this thread's scratch buffer (valid until its next use).
+        ``victim``: the evict listener's read of a chunk being evicted (index.py), which can
+        happen in the middle of another read of this thread (adopting a sharer's file makes
+        room): it goes through a second scratch buffer, so the first read's bytes stay, and
+        is never adopted."""
         path = self._path(key)
         with self._lock:
             self._readers[key] = self._readers.get(key, 0) + 1
@@ -109,14 +115,16 @@ class DiskTier(DiskIndex):
                 log.warning("disk tier: cannot open %s: %s", path, exc)
                 return Miss(ERROR)
             try:
-                view, size = io.read_file(fd, out, self._scratch, self.direct)
+                view, size = io.read_file(fd, out, self._victim_scratch if victim else self._scratch,
+                                          self.direct)
                 io.verify(view, key, size)
             except (ChunkError, OSError) as exc:
                 log.warning("disk tier: dropping %s: %s", path, exc)
                 with self._lock:
                     self.corrupt_reads += 1
                     self._forget(key)
-                io.unlink(path)
+                # Only the file read: a sharer may have published a good one at the path since.
+                io.unlink_if_same(path, fd)
                 return Miss(CORRUPT)
             finally:
                 os.close(fd)
@@ -129,7 +137,7 @@ class DiskTier(DiskIndex):
         with self._lock:
             if key in self._index:
                 self.policy.access(key)
-            elif adopt and not self._closed:
+            elif not victim and not self._closed:
                 self._adopt(key, size, pending)
         self._finish(pending)
         return view
@@ -216,11 +224,13 @@ class DiskTier(DiskIndex):
             reused = self._make_room(size, pending, tmp)
             if reused is not None:
                 self._reserved += size
-        self._finish(pending)
         if reused is None:
+            self._finish(pending)
             self.dropped_puts += 1
             return False
-        try:
+        err = errno.EIO
+        try:  # the reservation is given back however this ends (an evict listener may raise)
+            self._finish(pending)
             err = self._write_file(data[:n], size, tmp, path, reused)
             if err in NOSPACE:  # the file system is fuller than our own count says
                 self._free_for_nospace(size)
@@ -228,6 +238,8 @@ class DiskTier(DiskIndex):
         finally:
             with self._lock:
                 self._reserved -= size
+            if err and reused:
+                io.unlink(tmp)  # a victim's file renamed for reuse and never written
         with self._lock:
             if err:
                 self.dropped_puts += 1
