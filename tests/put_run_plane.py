@@ -38,7 +38,7 @@ class Plane:
 
 
 @contextmanager
-def plane(with_loop: bool, shm_bytes: int = 0) -> Iterator[Plane]:
+def plane(with_loop: bool, shm_bytes: int = 0, max_batch_keys: int = 64) -> Iterator[Plane]:
     """A fresh server, the C loop switched off unless ``with_loop``; on exit stopped, its
     storage closed (its warm-ahead thread and arena would otherwise outlive it: a campaign of
     thousands of examples once held 4,000 threads and 6 GiB) and the loop restored."""
@@ -49,7 +49,7 @@ def plane(with_loop: bool, shm_bytes: int = 0) -> Iterator[Plane]:
     storage = Storage(auth.tenants.values(), CpuTierConfig(capacity_bytes=24 * SLOT, slot_bytes=SLOT),
                       DiskTierConfig(enabled=False))
     try:
-        server = DataPlane(storage, auth, Limits(max_batch_keys=64, max_chunk_bytes=1 << 20),
+        server = DataPlane(storage, auth, Limits(max_batch_keys=max_batch_keys, max_chunk_bytes=1 << 20),
                            ServerMetrics(storage), None, 4, shm_bytes=shm_bytes)
         running = Plane(server, storage, server.start("127.0.0.1", 0))
         try:
@@ -77,9 +77,10 @@ def send_to_end(sock: socket.socket, stream: bytes) -> bytes | None:
 
 
 def holdings(storage: Storage) -> tuple[dict[bytes, bytes], list[str]]:
-    """Every key the (one) tenant's RAM tier holds with its chunk bytes, and its ``check()``."""
+    """Every key the (one) tenant's RAM tier holds with its chunk bytes, and its ``check()``
+    as of an idle server (a slot still handed to a put is lost capacity)."""
     ram = next(iter(storage.stores.values())).ram
     assert ram is not None
     keys = sorted(ram._map)
     held = dict(zip(keys, (bytes(c) for c in ram.get(keys))))  # type: ignore[arg-type]
-    return held, ram.check()
+    return held, ram.check(idle=True)

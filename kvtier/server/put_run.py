@@ -172,13 +172,16 @@ class PutRuns:
                                                  [res.view for res in slots if res is not None],
                                                  PUT, CHUNK_HEADER_SIZE, PIECE, b"" if shm is None else shm)
                 for j, (flags, count, length, digest) in enumerate(items):
-                    res, slots[j] = slots[j], None  # the sink owns it now
+                    res = slots[j]
                     assert res is not None
                     keylen = 2 * KEY_BYTES if flags & PARENT else KEY_BYTES
                     chunk = res.view[: length - keylen]
                     keys = memoryview(self._keys)[j * 2 * KEY_BYTES : j * 2 * KEY_BYTES + keylen]
-                    # The session sees the frame as if its chunk had come inline (it has: into the slot).
+                    # The session sees the frame as if its chunk had come inline (it has: into the
+                    # slot). It may refuse it (a batch past max_batch_keys): the slot is still ours
+                    # then, and the finally below gives it back.
                     item = session.accept_split_put(flags & ~SHM, count, keys, chunk)
+                    slots[j] = None  # the sink owns it now
                     accepting = sink(item, Reservation(res.slot, chunk), digest, "shm" if flags & SHM else "socket")
             finally:
                 for left in slots:

@@ -367,9 +367,13 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
     def _entries(self) -> int:
         return len(self._map)
 
-    def check(self) -> list[str]:
+    def check(self, idle: bool = False) -> list[str]:
+        """The invariants; ``idle``: the caller knows no put is in flight (every connection
+        closed), so a slot still handed to a put copy is a leak (capacity lost for good)."""
         with self._lock:
             problems: list[str] = []
+            if idle and self._writing:
+                problems.append(f"{len(self._writing)} slots still handed to puts with none in flight")
             used_slots = [slot for slot, _ in self._map.values()]
             every = self._free + self._warm + used_slots + list(self._writing) + list(self._retired)
             if len(every) != self._physical:
