@@ -59,9 +59,15 @@ def _cudart(import_torch: bool) -> Any:
 
 def _sealed_memfd(nbytes: int) -> int:
     """A memfd of ``nbytes`` (its pages allocated only when written) whose size no one can
-    change again: a process mapping it can never lose pages under its mapping."""
+    change again: a process mapping it can never lose pages under its mapping. Its mode is
+    0400: a memfd is created 0777, and whoever holds a read-only descriptor of it could
+    otherwise reopen ``/proc/self/fd/N`` for writing and rewrite stored chunks after they were
+    verified (root still can: the host is trusted). This descriptor, opened read-write at
+    creation, keeps mapping it writable. (``F_SEAL_FUTURE_WRITE`` would also forbid the
+    ``MADV_REMOVE`` that frees a slot's pages.)"""
     fd = os.memfd_create("kvtier-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
+        os.fchmod(fd, 0o400)
         os.ftruncate(fd, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except OSError:

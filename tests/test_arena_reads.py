@@ -21,6 +21,7 @@ import fcntl
 import json
 import mmap
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,6 +241,24 @@ def test_without_a_shareable_arena_gets_use_the_segment(tmp_path: Path, setting:
         assert s.stop() == 0, s.log
 
 
+def _reopens_for_writing(fd: int) -> bool:
+    """Whether a process that is not root (uid nobody, where these tests run as root) holding
+    ``fd`` can reopen it read-write through /proc: a memfd is created 0777, so the read-only
+    descriptor alone did not stop it (the client could rewrite stored, verified chunks)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            if os.getuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
 def test_the_arena_descriptor_a_client_receives_is_read_only(server: ServerProc) -> None:
     """Straight from the hand-off, as a hostile client would take it: the second descriptor
     maps for reading only and cannot be resized."""
@@ -259,6 +278,8 @@ def test_the_arena_descriptor_a_client_receives_is_read_only(server: ServerProc)
             with pytest.raises(OSError):
                 os.write(arena_fd, b"x")
             mmap.mmap(arena_fd, offer.arena_size, prot=mmap.PROT_READ).close()
+            assert stat.S_IMODE(os.fstat(arena_fd).st_mode) == 0o400
+            assert not _reopens_for_writing(arena_fd)
         finally:
             os.close(seg_fd)
             os.close(arena_fd)
