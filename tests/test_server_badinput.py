@@ -299,6 +299,56 @@ def test_refused_put_batch_leaves_nothing(server: ServerProc) -> None:
     assert _stored(server, [before]) == 1
 
 
+def test_messages_of_many_empty_items_are_refused_before_parsing(channel: grpc.Channel, server: ServerProc) -> None:
+    """Two bytes per empty item or key: a message within max_message_bytes holds a million of
+    them, and parsing them all (an object each) once cost GiBs and seconds of the GIL before
+    the count was checked. The count is now checked on the raw bytes first."""
+    flood = b"\x0a\x00" * (MAX_MESSAGE // 2 - 8)
+    for method in ("Put", "Lookup", "Get", "Delete"):
+        code, details = raw_call(channel, method, flood)
+        assert code == Code.RESOURCE_EXHAUSTED and "max_batch_keys" in details, (method, code, details)
+    # At the limit exactly, the messages parse and are validated as usual.
+    code, details = raw_call(channel, "Put", b"\x0a\x00" * MAX_KEYS)
+    assert code == Code.INVALID_ARGUMENT and "key has 0 bytes" in details, details
+    assert raw_call(channel, "Lookup", pb.LookupRequest(keys=make_keys(MAX_KEYS, seed=48)).SerializeToString())[0] == Code.OK
+    assert_serving(server)
+
+
+def test_the_item_count_is_checked_before_the_parser_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process, the servicer's decoders: a flood is refused without calling protobuf's
+    parser at all (the server test above would pass, only slower, if it were parsed first)."""
+    from kvtier.server import requests
+
+    def no_parse(*args: object) -> None:
+        raise AssertionError("parsed before the count was checked")
+
+    monkeypatch.setattr(requests, "_parse", no_parse)
+    flood = b"\x0a\x00" * (MAX_KEYS * 17 + 1)  # more bytes than MAX_KEYS keys of 34 bytes take
+    for decode in (DECODERS["Put"], DECODERS["Lookup"], DECODERS["Get"], DECODERS["Delete"]):
+        with pytest.raises(BadRequest, match="max_batch_keys") as info:
+            decode(flood)
+        assert info.value.code == Code.RESOURCE_EXHAUSTED
+    # Fields of every wire type count, and one more than the limit is enough to refuse.
+    mixed = (b"\x08\x01" + b"\x11" + bytes(8) + b"\x1d" + bytes(4) + b"\x0a\x00") * ((MAX_KEYS + 4) // 4)
+    with pytest.raises(BadRequest, match="max_batch_keys"):
+        DECODERS["Put"](mixed[: (MAX_KEYS + 1) // 4 * 17 + 17])
+
+
+def test_a_put_stream_refused_midway_leaves_nothing(channel: grpc.Channel, server: ServerProc) -> None:
+    """A Put call is all or nothing across its messages: the second message's corrupt chunk
+    takes back what the first newly stored; a chunk that was there before stays."""
+    before, a, b = make_keys(3, seed=49)
+    assert raw_call(channel, "Put", put_payload(pb.PutItem(key=before, chunk=make_chunk(before, 1000))))[0] == Code.OK
+    first = put_payload(pb.PutItem(key=before, chunk=make_chunk(before, 1000)), pb.PutItem(key=a, chunk=make_chunk(a, 1000)))
+    second = put_payload(pb.PutItem(key=b, chunk=_corrupt(make_chunk(b, 1000), HEADER_SIZE + 10)))
+    with pytest.raises(grpc.RpcError) as info:
+        channel.stream_unary(SVC + "Put")(iter([first, second]), timeout=10)
+    assert info.value.code() == Code.DATA_LOSS and "item 2" in (info.value.details() or "")  # type: ignore[attr-defined]
+    assert _stored(server, [a, b]) == 0
+    assert _stored(server, [before]) == 1
+    assert_serving(server)
+
+
 # --- fuzz the request decoding (in process: the exact functions the servicer calls) ----------------
 LIMITS = Limits(max_batch_keys=MAX_KEYS, max_chunk_bytes=MAX_CHUNK, max_message_bytes=MAX_MESSAGE)
 DECODERS: dict[str, Callable[[bytes], Any]] = {

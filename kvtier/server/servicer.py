@@ -174,16 +174,28 @@ class KVTierServicer:
         return b""
 
     async def _put(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> pb.PutReply:
+        """All or nothing over the whole stream, as a data-path batch: when a message is
+        refused, the chunks earlier messages of this call newly stored are removed (chunks
+        that were there before stay)."""
         store = self.storage.store(self._tenant(context).name)
         stored: list[bool] = []
-        async for raw in requests:
-            entries = await self._run(self._decode_and_put, store, raw, len(stored))
-            stored.extend(entries)
+        new_keys: list[bytes] = []
+        try:
+            async for raw in requests:
+                stored.extend(await self._run(self._decode_and_put, store, raw, len(stored), new_keys))
+        except BadRequest:
+            if new_keys:
+                await self._run(store.delete, new_keys)
+            raise
         return pb.PutReply(stored=stored)
 
-    def _decode_and_put(self, store: Any, raw: bytes, first: int) -> list[bool]:
+    def _decode_and_put(self, store: Any, raw: bytes, first: int, new_keys: list[bytes]) -> list[bool]:
+        """One message's items, verified, then stored; the keys it newly stored are added
+        to ``new_keys``."""
         entries: list[Entry] = decode_put(raw, self.limits, first)
+        new = [not store.holds(e.key) for e in entries]
         results: list[bool] = store.put(entries)
+        new_keys.extend(e.key for e, ok, fresh in zip(entries, results, new) if ok and fresh)
         self.metrics.bytes.labels("in", "grpc").inc(sum(len(e.data) for e in entries))
         return results
 
