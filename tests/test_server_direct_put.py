@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +144,33 @@ def test_a_put_trickled_in_pieces_arrives_whole(server: ServerProc) -> None:
         frame = read_frame(sock, reader)
         assert frame.type == PUT_REPLY and parse_put_reply(frame, 2) == [True, True]
         assert get_all(sock, reader, keys) == chunks
+
+
+def test_a_body_with_no_slot_lands_in_the_connection_scratch(tmp_path: Path) -> None:
+    """In process: with a disk tier below RAM no slot is reserved, and the body goes into the
+    connection's scratch buffer (``spill``) instead of growing the frame reader's own buffer,
+    which then stayed a second max_chunk_bytes for the connection's life; a refused batch's
+    bodies are drained there too; a body larger than the scratch is the reader's affair."""
+    from kvtier.config import CpuTierConfig, DiskTierConfig
+    from kvtier.protocol.frames import PARENT, PUT, SHM, FrameHeader
+    from kvtier.server.auth import Authenticator
+    from kvtier.server.put_run import DirectPut
+    from kvtier.server.storage import Storage
+
+    auth = Authenticator.from_file("")
+    storage = Storage(auth.tenants.values(), CpuTierConfig(capacity_bytes=1 << 20, slot_bytes=128 << 10),
+                      DiskTierConfig(enabled=True, path=str(tmp_path), capacity_bytes=8 << 20))
+    try:
+        spill = memoryview(bytearray(128 << 10))
+        direct = DirectPut(next(iter(storage.stores.values())), spill)
+        target = direct.target(FrameHeader(PUT, 0, 0, 32 + 100_000))
+        assert target is not None and target[0].nbytes == 32
+        assert target[1].obj is spill.obj and target[1].nbytes == 100_000  # the chunk at its start
+        assert direct.take() is None
+        direct.refusing = True
+        target = direct.target(FrameHeader(PUT, PARENT, 0, 64 + 5000))
+        assert target is not None and target[1].obj is spill.obj
+        assert direct.target(FrameHeader(PUT, 0, 0, 32 + spill.nbytes + 1)) is None
+        assert direct.target(FrameHeader(PUT, SHM, 0, 48)) is None  # a reference: no chunk body
+    finally:
+        storage.close()

@@ -218,12 +218,13 @@ class DataPlane:
         send_all(sock, encode_welcome({"tenant": tenant.name, "max_chunk_bytes": self.limits.max_chunk_bytes,
                                        "max_batch_keys": self.limits.max_batch_keys, "ops": [OP_LOOKUP]}))
         store = self.storage.store(tenant.name)
-        direct = put_run.DirectPut(store)
-        reader = FrameReader(self.wire_limits, direct.target)
-        # Reused for every chunk this connection sends. An anonymous mapping: pages become
-        # resident only when first written, and then stay (no per-request page faults).
+        # Reused for every chunk this connection sends, and for the chunks of PUTs that do
+        # not go straight into a RAM slot. An anonymous mapping: pages become resident only
+        # when first written, and then stay (no per-request page faults).
         scratch_map = mmap.mmap(-1, self.limits.max_chunk_bytes)
         scratch = memoryview(scratch_map)
+        direct = put_run.DirectPut(store, scratch)
+        reader = FrameReader(self.wire_limits, direct.target)
         waitall = self._request_mode(sock)
         # Runs of PUT frames received in C (plain TCP only: it reads the socket's descriptor).
         runs = put_run.PutRuns(sock, store, self.limits.max_chunk_bytes) if waitall and put_run.available() else None

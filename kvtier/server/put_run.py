@@ -102,27 +102,35 @@ def copy_into_slot(store: TenantStore, src: memoryview) -> tuple[Reservation, in
 class DirectPut:
     """Where a connection's PUT bodies land: the keys in a small buffer and the chunk straight
     in a RAM slot the store reserves for it (:meth:`TenantStore.reserve`: no copy after the
-    kernel's), when the store takes it so; else the reader's own buffer and a copying put.
-    Holds at most one reservation (the frame being received); ``take`` hands it to the put,
-    ``abort`` gives it back when the frame never completes."""
+    kernel's), when the store takes it so; else ``spill`` (the connection's scratch buffer,
+    which GET replies use between requests) and a copying put, so that a connection never
+    holds a second max-size buffer of its own. Holds at most one reservation (the frame being
+    received); ``take`` hands it to the put, ``abort`` gives it back when the frame never
+    completes. A body in ``spill`` is stored (copied) before the next frame is read."""
 
-    def __init__(self, store: TenantStore) -> None:
+    def __init__(self, store: TenantStore, spill: memoryview | None = None) -> None:
         self.store = store
+        self.spill = spill
         self.refusing = False  # the batch was refused: its remaining items are only drained
         self.reservation: Reservation | None = None
         self._keys = memoryview(bytearray(2 * KEY_BYTES))
 
     def target(self, header: FrameHeader) -> tuple[memoryview, memoryview] | None:
-        if header.type != PUT or header.flags & SHM or self.refusing:
+        if header.type != PUT or header.flags & SHM:
             return None
         head = 2 * KEY_BYTES if header.flags & PARENT else KEY_BYTES
         if header.length <= head:
             return None  # no chunk: parse_put / verification refuse it
         self.abort()  # (cannot hold one here: the previous frame completed or failed)
-        self.reservation = self.store.reserve(header.length - head)
-        if self.reservation is None:
-            return None
-        return self._keys[:head], self.reservation.view
+        if not self.refusing:
+            self.reservation = self.store.reserve(header.length - head)
+        if self.reservation is not None:
+            return self._keys[:head], self.reservation.view
+        if self.spill is not None and header.length - head <= self.spill.nbytes:
+            # The chunk at the buffer's start: page-aligned, so a disk tier writes it with
+            # O_DIRECT in place rather than through its own per-thread bounce buffer.
+            return self._keys[:head], self.spill[: header.length - head]
+        return None
 
     def take(self) -> Reservation | None:
         res, self.reservation = self.reservation, None
