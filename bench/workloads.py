@@ -9,7 +9,8 @@ whole prefix up to it recurs, and ids are numbered in order of first appearance.
 
 Request classes (each a function below; its docstring gives its parameters): ``chat``
 (multi-turn conversations), ``agent`` (tool loops), ``rag`` (shared system prompts with popular
-and long-tail documents) and one-shot ``scan`` bursts (no reuse at all). Named workloads
+and long-tail documents), one-shot ``scan`` bursts (no reuse at all) and ``rounds`` (passes
+over a fixed corpus, the cyclic reuse ARC-like policies thrash on). Named workloads
 (:data:`WORKLOADS`) are a class on its own, a chat background interrupted by scans
 (``scan``), or all four side by side (``mix``). The generator knows nothing about any policy
 and was written from these descriptions, not fitted to any trace.
@@ -184,6 +185,33 @@ def scan(rng: random.Random, start_ms: float, blocks: int, tag: str = "scan",
     return out
 
 
+def rounds(rng: random.Random, duration_ms: float, tag: str = "rounds", prompts: int = 600,
+           system_blocks: int = 4, prompt_blocks: tuple[int, int] = (4, 12),
+           requests_per_min: float = 200.0, swaps: float = 0.1) -> list[Request]:
+    """Passes over a fixed corpus: an evaluation harness or a batch job run again and again,
+    or sessions served round-robin. Every pass sends each of ``prompts`` prompts once (a shared
+    system prompt of ``system_blocks`` blocks, then ``prompt_blocks`` (min, max) blocks of its
+    own) at ``requests_per_min``, in the previous pass's order with ``swaps`` x ``prompts``
+    random pairs exchanged. Its reuse distance is one pass for every block but the system
+    prompt's: a cache that holds most of a pass, not all, is where policies differ most."""
+    sizes = [rng.randint(*prompt_blocks) for _ in range(prompts)]
+    order = list(range(prompts))
+    out: list[Request] = []
+    step = MINUTE_MS / requests_per_min
+    t = 0.0
+    while t < duration_ms:
+        for i in order:
+            if t >= duration_ms:
+                break
+            contents = [(tag, "sys", j) for j in range(system_blocks)] + [(tag, i, j) for j in range(sizes[i])]
+            out.append(Request(int(t), tuple(contents), 1))
+            t += step
+        for _ in range(int(swaps * prompts)):
+            a, b = rng.randrange(prompts), rng.randrange(prompts)
+            order[a], order[b] = order[b], order[a]
+    return out
+
+
 def _distinct(reqs: Sequence[Request]) -> int:
     return len({c for r in reqs for c in r.contents})
 
@@ -211,6 +239,7 @@ WORKLOADS: dict[str, Callable[[random.Random, float], list[Request]]] = {
     "rag": lambda rng, d: rag(rng, d),
     "scan": _chat_with_scans,
     "mix": _mix,
+    "rounds": lambda rng, d: rounds(rng, d),
 }
 #: Simulated minutes of a workload at ``scale=1`` (about 3-5k requests, 40-120k blocks).
 BASE_MINUTES = 30.0

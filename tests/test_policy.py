@@ -23,6 +23,7 @@ from kvtier.policies import (
     make_policy,
 )
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.dueling import DuelingPolicy
 from kvtier.policies.prefix import PrefixPolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy
 from tests.policy_ops import drain, insert_all, k
@@ -36,8 +37,9 @@ TRACE = next((d / _REL for d in REPO.parents if (d / _REL).is_file()), REPO.pare
 
 # --- registry --------------------------------------------------------------------------------
 def test_registry() -> None:
-    assert DEFAULT_POLICY == "adaptive"
-    assert isinstance(make_policy(), AdaptivePolicy)
+    assert DEFAULT_POLICY == "dueling"
+    assert isinstance(make_policy(), DuelingPolicy)
+    assert isinstance(make_policy("adaptive"), AdaptivePolicy)
     assert isinstance(make_policy("prefix"), PrefixPolicy)
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("s3fifo"), S3FIFOPolicy)

@@ -18,6 +18,7 @@ import pytest
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.policies import DEFAULT_POLICY, EvictionPolicy, LRUPolicy, make_policy
 from kvtier.policies.adaptive import AdaptivePolicy
+from kvtier.policies.dueling import DuelingPolicy
 from kvtier.tiers.base import Entry
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk.tier import DiskTier
@@ -57,9 +58,11 @@ class Cache:
         return hit
 
 
-def test_is_the_default() -> None:
-    assert DEFAULT_POLICY == "adaptive"
-    assert isinstance(make_policy(), AdaptivePolicy)
+def test_leads_the_default() -> None:
+    """The default (``dueling``) runs adaptive and s3fifo and starts with adaptive's victims."""
+    assert DEFAULT_POLICY == "dueling"
+    p = make_policy()
+    assert isinstance(p, DuelingPolicy) and p.leader_name == "adaptive"
 
 
 def test_starts_once_seen_first_and_leaf_first() -> None:
@@ -284,7 +287,7 @@ def _tier(kind: str, tmp_path: Path) -> Any:
 def test_tiers_evict_by_the_default_policy(kind: str, tmp_path: Path) -> None:
     tier = _tier(kind, tmp_path)
     try:
-        assert isinstance(tier.policy, AdaptivePolicy)
+        assert isinstance(tier.policy, DuelingPolicy)  # adaptive leads (tests/test_policy_dueling.py)
         keys = {name: key_of(f"adaptive/{name}") for name in ("sys", "t1", "f", "g", "h", "u")}
 
         def put(name: str, parent: str = "", depth: int = 0) -> None:
@@ -302,5 +305,6 @@ def test_tiers_evict_by_the_default_policy(kind: str, tmp_path: Path) -> None:
         present = {name for name, key in keys.items() if tier.contains([key]) == 1}
         assert present == {"sys", "t1", "u"}
         assert tier.usage().evictions == 3
+        assert tier.policy.leader_name == "adaptive"
     finally:
         tier.close()

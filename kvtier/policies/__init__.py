@@ -7,9 +7,11 @@ from, and each policy has a module of its own.
 
 Policies (hit ratios on the replayed Mooncake trace and generated workloads:
 ``python bench/replay.py --workload all``):
-- ``adaptive`` (default): prefix-aware, leaf-first, adapting ARC-style between
-  once-seen-first and recency, and predicting per parent whether a new child will be read
-  again (:mod:`kvtier.policies.adaptive`).
+- ``dueling`` (default): ``adaptive`` or ``s3fifo``, whichever miniature simulations of both
+  on a sample of the keys say wins on the workload running now (:mod:`kvtier.policies.dueling`).
+- ``adaptive``: prefix-aware, leaf-first, adapting ARC-style between once-seen-first and
+  recency, and predicting per parent whether a new child will be read again
+  (:mod:`kvtier.policies.adaptive`); thrashes on cyclic reuse just larger than the cache.
 - ``prefix``: prefix-aware, leaf-first, once-seen first, ranked by recency and mean reuse gap,
   with a ghost history (:mod:`kvtier.policies.prefix`); wins on the shared trace, loses to LRU
   on chat.
@@ -24,12 +26,13 @@ from collections.abc import Callable
 
 from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.base import EvictionPolicy, NothingToEvict
+from kvtier.policies.dueling import DuelingPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.prefix import PrefixPolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy
 
 __all__ = [
-    "DEFAULT_POLICY", "AdaptivePolicy", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
+    "DEFAULT_POLICY", "AdaptivePolicy", "DuelingPolicy", "POLICIES", "EvictionPolicy", "LRUPolicy", "NothingToEvict",
     "PrefixPolicy", "S3FIFOPolicy", "make_policy",
 ]
 
@@ -39,8 +42,9 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "s3fifo": S3FIFOPolicy,
     "prefix": PrefixPolicy,
     "adaptive": AdaptivePolicy,
+    "dueling": DuelingPolicy,
 }
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "dueling"
 
 
 def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:

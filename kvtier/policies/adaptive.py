@@ -1,4 +1,5 @@
-"""Adaptive prefix-aware eviction (``"adaptive"``), the default policy.
+"""Adaptive prefix-aware eviction (``"adaptive"``): the default policy's first candidate
+(:mod:`kvtier.policies.dueling` runs it against S3-FIFO and follows the winner).
 
 Why adaptive. Two rules each win on one kind of workload and lose on another
 (``python bench/replay.py --workload all``):
@@ -312,6 +313,21 @@ class AdaptivePolicy(LeafTree):
         self._count_eviction(origin)
         self._forget(key, node, origin)
         return key
+
+    def forget_evicted(self, key: bytes) -> None:
+        """Another policy tracking the same keys evicted ``key`` (kvtier.policies.dueling):
+        stop tracking it as if this one had evicted it, so its ghost and the regrets it may
+        raise stay what an eviction leaves (``remove`` would leave a ghost that teaches
+        nothing). Unknown keys are ignored."""
+        node = self._nodes.pop(key, None)
+        if node is None:
+            return
+        if node.kind != _T2 and node.parent:
+            pn = self._nodes.get(node.parent)
+            if pn is not None and pn.score > -self._score_cap:
+                pn.score -= 1
+        self._count_eviction(node.kind)
+        self._forget(key, node, node.kind)
 
     def _count_eviction(self, origin: int) -> None:
         self._evictions += 1

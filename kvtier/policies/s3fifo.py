@@ -85,6 +85,19 @@ class S3FIFOPolicy:
         self._queue(e).pop(key, None)  # absent when pinned
         self._drop(e)
 
+    def forget_evicted(self, key: bytes) -> None:
+        """Another policy tracking the same keys evicted ``key`` (kvtier.policies.dueling):
+        stop tracking it as this one would have evicted it (a key evicted from S unread
+        leaves a ghost). Unknown keys are ignored."""
+        e = self._entries.pop(key, None)
+        if e is None:
+            return
+        self._queue(e).pop(key, None)  # absent when pinned
+        if e.queue == _SMALL and e.freq == 0:
+            self._ghost[key] = None
+            self._trim_ghost()
+        self._drop(e)
+
     def _drop(self, e: _Entry) -> None:
         self._total_size -= e.size
         if e.queue == _SMALL:

@@ -1,0 +1,118 @@
+"""The default policy, ``dueling`` (kvtier.policies.dueling): it follows s3fifo where its
+miniature simulations show s3fifo winning (passes over a corpus a little larger than the
+cache, which adaptive thrashes on) and stays with adaptive where adaptive wins (the shared
+trace); both candidates always track the same keys; ``forget_evicted`` leaves the history an
+eviction leaves. The contract itself (pins, determinism, any op sequence) is checked for every
+registered policy in tests/test_policy.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.analyze.replay import replay_leading_hits
+from kvtier.policies import AdaptivePolicy, DuelingPolicy, EvictionPolicy, S3FIFOPolicy, make_policy
+from tests.policy_ops import k
+
+REPO = Path(__file__).resolve().parents[1]
+_REL = Path("shared/traces/synthetic_trace.jsonl")
+TRACE = next((d / _REL for d in REPO.parents if (d / _REL).is_file()), REPO.parent / _REL)
+
+
+def _generated(name: str, seed: int) -> list[list[bytes]]:
+    sys.path.insert(0, str(REPO / "bench"))
+    import workloads
+
+    return [[i.to_bytes(8, "little") for i in ids] for ids in workloads.generate(name, seed, scale=0.5)]
+
+
+def _hit_ratio(requests: list[list[bytes]], policy: EvictionPolicy, pct: int) -> float:
+    cap = max(1, len({key for ids in requests for key in ids}) * pct // 100)
+    hits, _ = replay_leading_hits(requests, policy, cap)
+    return sum(hits) / sum(map(len, requests))
+
+
+def test_it_follows_s3fifo_over_passes_on_a_corpus_larger_than_the_cache() -> None:
+    """``rounds``: every prompt comes back once per pass. At 80% of the corpus adaptive's
+    ghosts make every returning block "re-used" and it thrashes like LRU; s3fifo keeps most
+    of its main queue. Seeds 5 and 6: not among those the parameters were chosen on (0, 1)."""
+    for seed in (5, 6):
+        requests = _generated("rounds", seed)
+        dueling = DuelingPolicy()
+        mine = _hit_ratio(requests, dueling, 80)
+        adaptive = _hit_ratio(requests, AdaptivePolicy(), 80)
+        s3fifo = _hit_ratio(requests, S3FIFOPolicy(), 80)
+        assert s3fifo > adaptive + 0.15  # the workload is what it claims to be
+        assert mine > adaptive + 0.05, (seed, mine, adaptive, s3fifo)
+        assert dueling.leader_name == "s3fifo" and dueling.leader_changes >= 1
+        adaptive_main, s3fifo_main = dueling._mains
+        assert set(adaptive_main._nodes) == set(s3fifo_main._entries) == set(dueling._anc)
+        assert all(len(mini) <= max(1, len(dueling) // dueling._div) for mini in dueling._minis)
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"trace not found: {TRACE} (../shared/traces/README.md)")
+def test_it_stays_within_a_point_of_adaptive_on_the_held_out_trace() -> None:
+    spec = importlib.util.spec_from_file_location("kvtier_bench_replay_d", REPO / "bench" / "replay.py")
+    assert spec is not None and spec.loader is not None
+    replay = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = replay
+    spec.loader.exec_module(replay)
+    requests = replay.load_trace(TRACE)
+    held_out = requests[len(requests) // 2:]
+    for pct in (5, 10, 20, 40):
+        mine, adaptive = _hit_ratio(held_out, DuelingPolicy(), pct), _hit_ratio(held_out, AdaptivePolicy(), pct)
+        assert mine >= adaptive - 0.01, (pct, mine, adaptive)
+
+
+def test_nothing_is_sampled_before_the_first_eviction_and_then_a_fixed_fraction() -> None:
+    p = DuelingPolicy(floor=4)
+    for i in range(200):
+        p.insert(k(f"x{i}"), 1, i, k(f"x{i - 1}") if i else b"")
+    assert p._div == 0 and all(len(mini) == 0 for mini in p._minis)
+    p.evict()
+    assert p._div == 16  # 199 keys: the largest power of two up to 16 leaving >= 4 per miniature
+    assert p.leader_name == "adaptive" and len(p) == 199
+
+
+def test_s3fifo_forget_evicted_leaves_the_ghost_its_own_eviction_would() -> None:
+    """A key evicted from the small queue unread comes back into the main queue; a removed
+    one comes back as new."""
+    for forget, queue in ((True, "main"), (False, "small")):
+        p = S3FIFOPolicy()
+        for name in "abc":
+            p.insert(k(name), 1)
+        if forget:
+            p.forget_evicted(k("a"))
+        else:
+            p.remove(k("a"))
+        p.forget_evicted(k("zz"))  # unknown: ignored
+        assert k("a") not in p and len(p) == 2
+        p.insert(k("a"), 1)
+        assert (k("a") in p._main) == (queue == "main")
+
+
+def test_adaptive_forget_evicted_teaches_what_an_eviction_does() -> None:
+    """A key another policy evicted, inserted again soon, is a regret (the set it left grows);
+    a removed key's return teaches nothing."""
+    grown = {}
+    for how in ("forget", "remove"):
+        p = AdaptivePolicy()
+        for i in range(8):
+            p.insert(k(f"r{i}"), 1)  # fresh keys, nothing re-used
+        victim = k("r0")
+        if how == "forget":
+            p.forget_evicted(victim)
+        else:
+            p.remove(victim)
+        assert victim not in p and len(p) == 7
+        before = p._q
+        p.insert(victim, 1)
+        grown[how] = p._q > before
+    assert grown == {"forget": True, "remove": False}
+
+
+def test_it_is_the_default() -> None:
+    assert isinstance(make_policy(), DuelingPolicy)
