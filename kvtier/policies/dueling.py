@@ -25,7 +25,9 @@ How (miniature simulation, Waldspurger et al., ATC '17):
    a miniature *hit* when the key is there and the request's previous sampled key was a hit
    too: the leading-run rule of ``Tier.contains`` on the sample.
 3. **Decision.** Hits decay by ``1 - 1 / (window * mini size)`` per sampled reference; the
-   other policy leads once its score beats the leader's by ``margin`` (and 4 hits), at most
+   other policy leads once its score beats the leader's by ``margin``, 4 hits and ``z``
+   standard deviations of the two counts (Poisson noise: without it, the sample's noise made
+   the leader change back and forth on the trace, each change costing a few hits), at most
    once per ``dwell * mini size`` sampled references.
 
 Cost: two main policies, about 2/``div`` more miniature calls, and one dict entry per key (its
@@ -50,8 +52,7 @@ WINDOW = 4.0  # hits decay over this many miniature sizes of sampled references
 DWELL = 2.0  # and the leader changes at most once per this many
 FLOOR = 512  # keys each miniature holds at least (else a larger sample)
 MAX_DIV = 16  # a sample of at least 1/16 of the keys
-_MISS = b"-"
-FORGET = [True, True]  # no key: the previous sampled reference missed
+_MISS = b"-"  # no key: the previous sampled reference missed
 
 
 class Candidate(EvictionPolicy, Protocol):
@@ -124,11 +125,7 @@ class DuelingPolicy:
             while self._div < MAX_DIV and len(self._anc) // (2 * self._div) >= self.floor:
                 self._div *= 2
         victim = self._mains[self.leader].evict()  # NothingToEvict: every tracked key is pinned
-        other = self._mains[1 - self.leader]
-        if FORGET[1 - self.leader]:
-            other.forget_evicted(victim)
-        else:
-            other.remove(victim)
+        self._mains[1 - self.leader].forget_evicted(victim)
         self._anc.pop(victim, None)
         self._info.pop(victim, None)
         return victim
