@@ -40,7 +40,7 @@ MISS_REASONS = (miss.ABSENT, miss.EVICTED, miss.EXPIRED, miss.CORRUPT, miss.TIME
 # Every reason kvtier.chunk's decoder refuses a chunk with (ChunkError.reason).
 CHUNK_ERROR_REASONS = ("truncated", "bad_magic", miss.CORRUPT, "bad_version", "unknown_codec",
                        "unknown_dtype", miss.LAYOUT_MISMATCH, miss.NAMESPACE_MISMATCH, "key_mismatch")
-DROP_REASONS = ("rejected", "queue_full", "error")
+DROP_REASONS = ("rejected", "queue_full", "error", "closed")
 
 
 class _Refresh(Collector):

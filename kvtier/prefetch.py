@@ -229,11 +229,14 @@ def _held(job: PrefetchJob) -> int:
 
 
 def _guarded(fn: Callable[[], LoadedRange]) -> LoadedRange:
-    # A bug in fn must not leave a waiter hanging; it becomes an empty range with a reason.
+    # A bug in fn must not leave a waiter hanging, nor break the byte budget's trimming (which
+    # reads every finished job's result): any exception becomes an empty range with a reason,
+    # logged with its traceback. (It once caught three types; a KeyError escaped to every
+    # later held_bytes() and trim.)
     try:
         return fn()
-    except (ValueError, RuntimeError, OSError) as exc:
-        log.error("prefetch job failed: %s", exc)
+    except Exception:
+        log.exception("prefetch job failed")
         return LoadedRange(0, 1, reason="error")
 
 

@@ -80,6 +80,8 @@ class TieredStore:
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
         self._closed = False
+        self._enqueue_lock = threading.Lock()
+        self._stopping = False  # _STOP is queued: the writer takes nothing more
         self._listeners = Listeners()
         for level, tier in enumerate(self.tiers):
             tier.evict_listener = self._make_evict_listener(level)
@@ -278,11 +280,15 @@ class TieredStore:
         return accepted
 
     def _enqueue(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
-        try:
-            self._queue.put_nowait((entries, level, prefix))
-        except queue.Full:
-            self.metrics.dropped_writes.labels(self.tiers[level].name, "queue_full").inc(len(entries))
-            return
+        with self._enqueue_lock:  # close() puts _STOP under it: nothing lands behind _STOP
+            if self._stopping:  # a store() that raced close(): its write-down is not taken
+                self.metrics.dropped_writes.labels(self.tiers[level].name, "closed").inc(len(entries))
+                return
+            try:
+                self._queue.put_nowait((entries, level, prefix))
+            except queue.Full:
+                self.metrics.dropped_writes.labels(self.tiers[level].name, "queue_full").inc(len(entries))
+                return
         self.metrics.queue_depth.set(self._queue.qsize())
 
     def _write_loop(self) -> None:
@@ -387,7 +393,9 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        with self._enqueue_lock:
+            self._stopping = True
+            self._queue.put(_STOP)
         self._writer.join()
         for tier in self.tiers:
             tier.close()

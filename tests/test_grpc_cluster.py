@@ -195,3 +195,74 @@ def test_discovery_setting_resolves_through_the_system_resolver(fleet: list[Serv
         assert tier.get(keys) == chunks
     finally:
         tier.close()
+
+
+def test_get_into_returns_its_buffers_only_once_every_node_call_has_ended(tmp_path: Path) -> None:
+    """Two nodes: node a's chunk is larger than its buffer (ValueError), node b is paused.
+    The ValueError once escaped at once while b's call was still running and then wrote into
+    the caller's buffer, which the caller already owned again."""
+    a, b = start_server(tmp_path / "a", name="a"), start_server(tmp_path / "b", name="b")
+    tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(a.address, b.address), timeout_s=5))
+    try:
+        keys = make_keys(64, seed=81)
+        on_a = next(k for k in keys if tier.replicas(k) == [a.address])
+        on_b = next(k for k in keys if tier.replicas(k) == [b.address])
+        big_a, chunk_b = make_chunk(on_a, 8192, 1), make_chunk(on_b, 4096, 2)
+        assert tier.put([Entry(on_a, big_a), Entry(on_b, chunk_b)]) == [True, True]
+        outs = [memoryview(bytearray(len(chunk_b))) for _ in range(2)]
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (b.proc.pid, signal.SIGCONT)).start()
+        with pytest.raises(ValueError, match="too small"):
+            tier.get_into([on_a, on_b], outs)
+        after = bytes(outs[1])
+        time.sleep(1.0)
+        assert bytes(outs[1]) == after  # nothing wrote into it after the call returned
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+        tier.close()
+        a.stop()
+        b.stop()
+
+
+def test_close_with_calls_in_flight_wakes_every_caller(tmp_path: Path) -> None:
+    """Closing the tier while more node calls are queued than its pool runs (node b paused,
+    its calls holding pool threads): the queued calls were cancelled, so callers waiting on
+    them never woke (or got CancelledError); now each caller gets an answer or the tier's
+    closed error, and no channel is opened after close."""
+    a, b = start_server(tmp_path / "a", name="a"), start_server(tmp_path / "b", name="b")
+    tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(a.address, b.address), timeout_s=3))
+    try:
+        keys = make_keys(8, seed=82)
+        assert {r for k in keys for r in tier.replicas(k)} == {a.address, b.address}
+        assert tier.put([Entry(k, make_chunk(k, 2000, i)) for i, k in enumerate(keys)]) == [True] * 8
+        outcomes: list[str] = []
+
+        def caller(n: int) -> None:
+            try:
+                if n % 3:
+                    tier.get(keys)
+                else:
+                    tier.put([Entry(k, make_chunk(k, 2000, 0)) for k in keys])
+                outcomes.append("answered")
+            except RuntimeError:  # the tier is closed
+                outcomes.append("closed")
+            except BaseException as exc:  # noqa: BLE001 - what must not happen, recorded
+                outcomes.append(type(exc).__name__)
+
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        threads = [threading.Thread(target=caller, args=(n,), daemon=True) for n in range(300)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        tier.close()
+        os.kill(b.proc.pid, signal.SIGCONT)
+        end = time.monotonic() + 10
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        assert not [t for t in threads if t.is_alive()], "callers still waiting 10 s after close"
+        assert set(outcomes) <= {"answered", "closed"}, sorted(set(outcomes))
+        assert not any(n.is_open for n in tier.nodes)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+        a.stop()
+        b.stop()

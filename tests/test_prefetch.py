@@ -97,16 +97,24 @@ def test_prefetcher_drops_oldest_finished_jobs_over_budget() -> None:
     pf.close()
 
 
-def test_prefetcher_turns_a_crashing_job_into_an_empty_range() -> None:
-    pf = Prefetcher()
+@pytest.mark.parametrize("error", [RuntimeError, KeyError, AttributeError])
+def test_prefetcher_turns_a_crashing_job_into_an_empty_range(error: type[Exception]) -> None:
+    """Whatever the job raises (a KeyError once escaped into every later ``held_bytes`` and
+    trim, so the byte budget stopped being enforced)."""
+    dropped: list[int] = []
+    pf = Prefetcher(workers=1, max_bytes=1000, on_drop=lambda r: dropped.append(r.start_chunk))
 
     def boom() -> LoadedRange:
-        raise RuntimeError("bug")
+        raise error("bug")
 
     job = pf.submit("x", (), boom)
     assert job is not None
     res = job.result(5)
     assert res is not None and res.payloads == [] and res.reason == "error"
+    for i in range(3):  # finished jobs of 600 bytes each against a 1000-byte budget
+        later = pf.submit(f"ok{i}", (), lambda i=i: LoadedRange(i, 1, [b"x" * 600], nbytes=600))
+        assert later is not None and later.result(5) is not None
+    assert pf.held_bytes() <= 1000
     pf.close()
 
 

@@ -325,3 +325,46 @@ def test_load_into_hands_an_oversized_chunk_to_the_verifier() -> None:
         run = cache.load_verified_into(keys[:1], [(0, 4)], [memoryview(bytearray(fit))])
         assert run.payloads == [] and run.reason == "layout_mismatch"
         assert a.contains(keys[:1]) == 0  # the refused chunk is dropped, as load() does
+
+
+def test_a_refused_overwrite_keeps_the_old_chunk() -> None:
+    """MemoryTier: the rest of the tier is pinned, so a larger chunk for a held key cannot get
+    room; the put is refused and the key still holds its old chunk (it was deleted first)."""
+    tier = MemoryTier(capacity_bytes=300, name="m")
+    a, b = b"a" * 32, b"b" * 32
+    assert tier.put([Entry(a, b"1" * 100), Entry(b, b"2" * 100)]) == [True, True]
+    tier.pin([b])
+    assert tier.put([Entry(a, b"3" * 250)]) == [False]
+    assert tier.get([a]) == [b"1" * 100] and tier.check() == []
+
+
+def test_a_store_racing_close_leaves_no_task_behind_the_writer() -> None:
+    """store() that passed its closed check while close() ran: its write-down once landed
+    behind the writer's stop mark, never written, and flush() without a timeout hung."""
+
+    class SlowTop(MemoryTier):
+        entered = threading.Event()
+
+        def put(self, entries: Sequence[Entry]) -> list[bool]:
+            out = super().put(entries)
+            self.entered.set()
+            self.proceed.wait(5)
+            return out
+
+        proceed = threading.Event()
+
+    top, low = SlowTop(1 << 20, name="top"), MemoryTier(1 << 20, name="low")
+    store = TieredStore([top, low], StoreConfig(write_policy="write_through"))
+    racer = threading.Thread(target=store.store, args=([Entry(b"k" * 32, b"v" * 100)],))
+    racer.start()
+    assert SlowTop.entered.wait(5)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.2)  # close() has queued its stop mark (the writer had nothing to do)
+    SlowTop.proceed.set()
+    racer.join(5)
+    closer.join(5)
+    assert not racer.is_alive() and not closer.is_alive()
+    assert store._queue.unfinished_tasks == 0
+    assert store.flush(timeout_s=1)
+    assert store.metrics.dropped_writes.labels("low", "closed")._value.get() == 1

@@ -71,7 +71,11 @@ class MemoryTier(BoundedTier):
         while self._used + size > self.capacity_bytes:
             try:
                 victim = self._pick_victim()
-            except NothingToEvict:
+            except NothingToEvict:  # refused: the key keeps the chunk it had (it fits again)
+                if old is not None:
+                    self._data[e.key] = old
+                    self._used += len(old)
+                    self.policy.insert(e.key, len(old), e.depth, e.parent)
                 return False
             value = self._data.pop(victim)
             self._used -= len(value)

@@ -115,6 +115,12 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
                 except NodeError as exc:
                     failed(view.clients[name], exc)
                     values = [Miss(exc.reason)] * len(positions)
+                except BaseException:
+                    # The caller's error (a chunk larger than its buffer): the round's other
+                    # calls may still be receiving into the caller's buffers (get_into). They
+                    # end by the deadline; the caller gets its buffers back only after that.
+                    wait(list(pending))
+                    raise
                 for pos, value in zip(positions, values):
                     if pos in done_keys:
                         continue

@@ -80,6 +80,7 @@ class NodeClient:
         self.last_used = time.monotonic()
         self.opened = 0  # times the channel was opened (tests and stats)
         self.retired = False  # removed from the cluster: never opened again
+        self.closed = False  # close() was called: final
         self._open_lock = threading.Lock()
 
     # --- lazy connection ---------------------------------------------------------------------------
@@ -90,6 +91,8 @@ class NodeClient:
         with self._lock:
             if self.retired:
                 raise NodeError(NODE_DOWN, f"{self.address}: removed from the cluster", down=False)
+            if self.closed:
+                raise NodeError(NODE_DOWN, f"{self.address}: the client is closed", down=False)
             self.inflight += 1
             self.last_used = time.monotonic()
         try:
@@ -105,6 +108,8 @@ class NodeClient:
 
     def _ensure_channel(self) -> pb_grpc.KVTierStub:
         with self._lock:
+            if self.closed:  # a call that was running when the client closed: no new channel
+                raise NodeError(NODE_DOWN, f"{self.address}: the client is closed", down=False)
             if self.stub is None:
                 options = channel_options(self.cfg)
                 self.channel = (grpc.secure_channel(self.address, self._credentials, options)
@@ -324,7 +329,9 @@ class NodeClient:
             data.close()
 
     def close(self) -> None:
+        """Final: later calls raise NodeError, and none reopens a channel."""
         with self._lock:
+            self.closed = True
             channel, data = self.channel, self.data
             self.channel = self.stub = self.info = self.data = None
         if data is not None:

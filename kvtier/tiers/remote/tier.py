@@ -179,6 +179,8 @@ class GrpcTier(TierBase):
         if exc.down:
             client.mark_down(str(exc))
             self.cluster.wake()
+        elif self._closed:  # calls that were in flight when the tier closed: expected
+            log.debug("grpc tier: %s", exc)
         else:
             log.warning("grpc tier: %s", exc)
 
@@ -365,7 +367,10 @@ class GrpcTier(TierBase):
 
     def _close(self) -> None:
         self.cluster.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Queued calls still run, and fail at once (a closed node refuses calls): a cancelled
+        # future would never wake the callers waiting on it (concurrent.futures.wait), and
+        # its result() would raise CancelledError into them.
+        self._pool.shutdown(wait=False)
 
 
 def _miss_reason(reps: list[str], failed: dict[str, str], results: Mapping[str, object]) -> str:
