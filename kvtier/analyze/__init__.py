@@ -4,7 +4,7 @@ One concept per module:
 - :mod:`~kvtier.analyze.records` / :mod:`~kvtier.analyze.readers`: a log (token ids, text with
   a local tokenizer, or a Mooncake block-hash trace) reduced to kvtier's chunk keys;
 - :mod:`~kvtier.analyze.replay` (+ :mod:`~kvtier.analyze.belady`): the reuse bound, hit ratio
-  per capacity replaying kvtier's registered eviction policies, the offline optimum, per TTL;
+  per capacity replaying kvtier's registered eviction policies, Belady's MIN (an offline reference), per TTL;
 - :mod:`~kvtier.analyze.breakers` / :mod:`~kvtier.analyze.classify`: silent cache breakers;
 - :mod:`~kvtier.analyze.cost`: money saved, from an editable price table (``prices/``);
 - :mod:`~kvtier.analyze.report`: the JSON document and the terminal summary;

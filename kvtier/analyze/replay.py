@@ -6,7 +6,8 @@ present (a present chunk after the first miss does not count, as in ``Tier.conta
 chunks are accessed, then every chunk from the first miss on is inserted with ``depth`` = its
 index and ``parent`` = the chunk before, evicting as needed. Policies come from the registry
 (:data:`kvtier.policies.POLICIES`), so whatever kvtier ships is what is replayed; ``belady``
-(:class:`~kvtier.analyze.belady.BeladyPolicy`) is the offline optimum of the same loop.
+(:class:`~kvtier.analyze.belady.BeladyPolicy`) is Belady's MIN on the same loop (optimal per
+chunk, a reference rather than a bound under the leading-run rule).
 
 All functions are pure and deterministic; each returns per-request hit tokens (int64 numpy
 arrays, in log order) so that reports can group them by tenant or model.
