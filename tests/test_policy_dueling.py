@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_it_follows_s3fifo_over_passes_on_a_corpus_larger_than_the_cache() -> No
         assert mine > adaptive + 0.05, (seed, mine, adaptive, s3fifo)
         assert dueling.leader_name == "s3fifo" and dueling.leader_changes >= 1
         adaptive_main, s3fifo_main = dueling._mains
-        assert set(adaptive_main._nodes) == set(s3fifo_main._entries) == set(dueling._anc)
+        assert set(adaptive_main._nodes) == set(s3fifo_main._entries) == set(dueling._keys)
         assert all(len(mini) <= max(1, len(dueling) // dueling._div) for mini in dueling._minis)
 
 
@@ -75,6 +76,17 @@ def test_nothing_is_sampled_before_the_first_eviction_and_then_a_fixed_fraction(
     p.evict()
     assert p._div == 16  # 199 keys: the largest power of two up to 16 leaving >= 4 per miniature
     assert p.leader_name == "adaptive" and len(p) == 199
+    # Keys tracked before the first eviction join the sample then (they were invisible to the
+    # miniatures once, so a prefix written before the cache filled never counted a hit).
+    sampled = [key for key, e in p._keys.items() if e[4]]
+    assert 0 < len(sampled) < 199 and all(zlib.crc32(key) % 16 == 0 for key in sampled)
+    for key, (parent, anc, _, _, _) in p._keys.items():
+        want = parent
+        while want and want in p._keys and not p._keys[want][4]:
+            want = p._keys[want][0]
+        assert anc == (want if want in p._keys else b""), key
+    p.access(sampled[-1])
+    assert all(sampled[-1] in mini for mini in p._minis)
 
 
 def test_s3fifo_forget_evicted_leaves_the_ghost_its_own_eviction_would() -> None:
