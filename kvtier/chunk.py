@@ -123,7 +123,9 @@ def encode_chunk(
     shuffle: bool = False,
 ) -> memoryview:
     """Header + encoded payload in one fresh, writable, page-aligned buffer (one copy of
-    ``payload`` for raw). Page alignment lets the disk tier write it with O_DIRECT in place."""
+    ``payload`` for raw). Page alignment lets the disk tier write it with O_DIRECT in place.
+    A payload the codec does not shrink is stored raw (the header says so): a chunk is never
+    larger than its raw form."""
     codec = Codec.parse(codec)
     if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES:
         raise ValueError(f"namespace and key must be {KEY_BYTES} bytes each")
@@ -138,6 +140,10 @@ def encode_chunk(
         raise ChunkError("layout_mismatch", f"payload has {view.nbytes} bytes, shape {shape} of {dtype} needs {expect}")
     stored = compress(codec, view, shuffle_itemsize=itemsize if shuffle else 0)
     stored_len = memoryview(stored).nbytes
+    if codec is not Codec.RAW and stored_len >= expect:
+        # Incompressible (fp8 K/V often is): lz4 and zstd would store a few KiB *more* than
+        # the payload, and a chunk sized for raw pages (a RAM slot) would no longer fit.
+        codec, shuffle, stored, stored_len = Codec.RAW, False, view, expect
     out = page_aligned_buffer(HEADER_SIZE + stored_len)
     out[HEADER_SIZE:] = stored
     _write_header(out, namespace, key, code, shape, codec, shuffle, expect, stored_len)

@@ -40,7 +40,26 @@ def test_round_trip(codec: str, shuf: bool, dtype: str) -> None:
     data = encode_chunk(NS, KEY, dtype, SHAPE, payload, codec=codec, shuffle=shuf)
     chunk = decode_chunk(data, namespace=NS, key=KEY, dtype=dtype, shape=SHAPE)
     assert bytes(chunk.payload) == payload
-    assert chunk.header.codec == Codec.parse(codec) and chunk.header.shuffled == shuf
+    if chunk.header.codec == Codec.RAW and codec != "raw":  # it did not shrink: stored raw
+        assert len(data) == HEADER_SIZE + len(payload) and not chunk.header.shuffled
+    else:
+        assert chunk.header.codec == Codec.parse(codec) and chunk.header.shuffled == shuf
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+@pytest.mark.parametrize("shuf", [False, True])
+def test_a_payload_the_codec_cannot_shrink_is_stored_raw(codec: str, shuf: bool) -> None:
+    """Random bytes (as fp8 K/V nearly is) grow by ~n/255 under lz4: a chunk sized for raw
+    pages (an SGLang page in a RAM slot) was refused on every put. Stored raw instead; a
+    compressible payload keeps its codec."""
+    noise = np.random.default_rng(3).integers(0, 256, int(np.prod(SHAPE)), dtype=np.uint8).tobytes()
+    data = encode_chunk(NS, KEY, "uint8", SHAPE, noise, codec=codec, shuffle=shuf)
+    chunk = decode_chunk(data, namespace=NS, key=KEY, dtype="uint8", shape=SHAPE)
+    assert chunk.header.codec == Codec.RAW and not chunk.header.shuffled
+    assert len(data) == HEADER_SIZE + len(noise) and bytes(chunk.payload) == noise
+    zeros = bytes(len(noise))
+    packed = encode_chunk(NS, KEY, "uint8", SHAPE, zeros, codec=codec, shuffle=shuf)
+    assert decode_header(packed).codec == Codec.parse(codec) and len(packed) < HEADER_SIZE + len(zeros)
 
 
 def test_shuffle_inverts() -> None:

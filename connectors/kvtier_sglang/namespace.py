@@ -53,6 +53,50 @@ def check_supported(storage_config: Any) -> None:
                               f"kvtier_sglang (got {getattr(storage_config, name)})")
 
 
+#: SGLang's ``--kv-cache-dtype`` names of the fp8 formats it keeps in uint8 buffers.
+SGLANG_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def _served_kv_cache_dtype() -> str:
+    """The running server's ``--kv-cache-dtype`` where SGLang's runtime context has one, else
+    "" (a CPU harness with no server, or a version that keeps it elsewhere)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return str(getattr(get_server_args(), "kv_cache_dtype", "") or "")
+    except (ImportError, AttributeError, RuntimeError, ValueError):  # ValueError: not set yet
+        return ""
+
+
+def kv_dtype_of(geo: PageGeometry, settings: SglangSettings) -> str:
+    """The namespace's KV dtype. SGLang keeps fp8 KV (e4m3 and e5m2 alike) in uint8 buffers, so
+    the host pool's dtype cannot tell them apart, and two instances with different fp8 formats
+    would read each other's pages as their own (found by an audit: an e5m2 instance restored
+    e4m3 bytes). For a uint8 pool the dtype comes from ``sglang.kv_dtype``, else from the
+    server's ``--kv-cache-dtype``; with neither, the attach is refused. ConfigError otherwise
+    too where the setting contradicts the pool."""
+    pool = TORCH_TO_KV_DTYPE.get(geo.dtype)
+    if pool is None:
+        raise ConfigError(f"host pool dtype {geo.dtype} has no kvtier KV dtype; "
+                          f"supported: {sorted(TORCH_TO_KV_DTYPE.values())}")
+    named = settings.kv_dtype
+    if named and named not in TORCH_TO_KV_DTYPE.values():
+        raise ConfigError(f"sglang.kv_dtype: {named!r} is not one of {sorted(TORCH_TO_KV_DTYPE.values())}")
+    if geo.dtype != torch.uint8:
+        if named and named != pool:
+            raise ConfigError(f"sglang.kv_dtype: {named!r}, but the host pool holds {pool} KV")
+        return pool
+    if named:
+        return named
+    served = SGLANG_FP8.get(_served_kv_cache_dtype())
+    if served is None:
+        raise ConfigError("sglang.kv_dtype: the host pool holds KV as uint8, which is how SGLang "
+                          "keeps every fp8 format, so the pages do not say which; set it to the "
+                          "--kv-cache-dtype in use (float8_e4m3fn for fp8_e4m3, float8_e5m2 for "
+                          "fp8_e5m2), so that instances with other formats never share pages")
+    return served
+
+
 def namespace_spec(storage_config: Any, geo: PageGeometry, cfg: KVTierConfig,
                    settings: SglangSettings) -> NamespaceSpec:
     """The namespace of this rank's pages (see the module docstring)."""
@@ -60,10 +104,7 @@ def namespace_spec(storage_config: Any, geo: PageGeometry, cfg: KVTierConfig,
     if not model_id:
         raise ConfigError("sglang.model_id: SGLang passed no model_name; set sglang.model_id "
                           "in the extra config to name the namespace")
-    dtype = TORCH_TO_KV_DTYPE.get(geo.dtype)
-    if dtype is None:
-        raise ConfigError(f"host pool dtype {geo.dtype} has no kvtier KV dtype; "
-                          f"supported: {sorted(TORCH_TO_KV_DTYPE.values())}")
+    dtype = kv_dtype_of(geo, settings)
     if cfg.key_schema == "x1" and cfg.chunk_tokens != geo.page_tokens:
         raise ConfigError(f"chunk_tokens: {cfg.chunk_tokens} with key_schema x1 is the page size "
                           f"every engine sharing the cache keys by, but this SGLang instance has "

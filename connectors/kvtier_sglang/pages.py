@@ -195,7 +195,19 @@ def page_slots(host_indices: torch.Tensor, npages: int, page_tokens: int) -> lis
 
 def geometry_of(pool: Any, is_mla: bool) -> PageGeometry:
     """Geometry of an SGLang host pool (``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``,
-    duck-typed), checked against its ``kv_buffer`` shape; ValueError when they disagree."""
+    duck-typed), checked against its ``kv_buffer`` shape; ValueError when they disagree, or
+    when the pool keeps part of a page outside ``kv_buffer`` and says so (its storage page
+    accessor raises NotImplementedError: SGLang's MXFP8 pool, whose per-page scales live in
+    other buffers; storing ``kv_buffer`` alone would restore pages with stale scales)."""
+    probe = getattr(pool, "get_page_buffer_meta", None)
+    if probe is not None:
+        try:
+            probe(torch.arange(int(pool.page_size), dtype=torch.int64))
+        except NotImplementedError as exc:
+            raise ValueError(f"{type(pool).__name__} has no flat storage pages for kvtier_sglang "
+                             f"to store: {exc}") from None
+        except (ValueError, AssertionError, TypeError, IndexError, RuntimeError):
+            pass  # a layout whose zero-copy accessor SGLang lacks: kvtier does not use it
     if is_mla:
         heads, head_dim = 1, int(pool.kv_cache_dim)
     else:

@@ -32,11 +32,14 @@ class SglangSettings:
     carries the host pool's format tag when it has one). Set them to the id the other engines'
     connectors use (kvtier_hf ``model_id``, kvtier_vllm ``vllm.model_id``) to share one cache.
     ``load`` / ``save`` switch the read and write halves off (``batch_exists`` then reports 0 /
-    ``batch_set_v1`` stores nothing but reports success).
+    ``batch_set_v1`` stores nothing but reports success). ``kv_dtype``: the KV dtype for the
+    namespace where the host pool does not tell it (SGLang keeps every fp8 KV format in uint8
+    buffers; kvtier_sglang.namespace.kv_dtype_of), e.g. ``float8_e4m3fn`` or ``float8_e5m2``.
     """
 
     model_id: str = ""
     model_revision: str = ""
+    kv_dtype: str = ""
     load: bool = True
     save: bool = True
 
