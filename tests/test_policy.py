@@ -267,7 +267,7 @@ def test_default_beats_lru_on_the_held_out_half_of_the_trace() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["chat", "agent", "rag", "scan", "mix"])
+@pytest.mark.parametrize("workload", ["chat", "agent", "rag", "scan", "mix", "rounds"])
 def test_default_never_loses_to_lru_on_held_out_generated_seeds(workload: str) -> None:
     replay = _load_replay()
     sys.path.insert(0, str(REPO / "bench"))
