@@ -153,12 +153,17 @@ class DataPlane:
             self.admission.arrive(conn)  # may push out the oldest unauthenticated connection
             thread = threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-data", daemon=True)
             with self._lock:
+                # A thread stays listed until it has ended (join waits for its last lines too);
+                # the ended ones are dropped here.
+                self._threads = {t for t in self._threads if t.is_alive()}
                 self._threads.add(thread)
             try:
                 thread.start()
             except RuntimeError as exc:  # out of threads: this one connection is refused
                 log.warning("data path %s: connection refused: %s", peer, exc)
-                self._forget(conn, thread)
+                with self._lock:
+                    self._threads.discard(thread)  # never started: nothing to join
+                self._forget(conn)
 
     def _serve(self, conn: Conn, peer: object) -> None:
         self.metrics.data_connections.inc()
@@ -179,15 +184,14 @@ class DataPlane:
                 # exception's frames): collect it now, or the mapping waits for the next GC.
                 gc.collect()
                 seg.close()
-            self._forget(conn, threading.current_thread())
+            self._forget(conn)
             self.metrics.data_connections.dec()
 
-    def _forget(self, conn: Conn, thread: threading.Thread) -> None:
-        """The connection leaves admission and this plane's sets, then its socket closes."""
+    def _forget(self, conn: Conn) -> None:
+        """The connection leaves admission and this plane's set, then its socket closes."""
         self.admission.leave(conn)  # before close: no shutdown may reach a reused fd
         with self._lock:
             self._conns.discard(conn)
-            self._threads.discard(thread)
         conn.sock.close()
 
     @staticmethod
