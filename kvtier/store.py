@@ -80,8 +80,7 @@ class TieredStore:
         self._hits: Tally[bytes] = Tally()
         self._hits_lock = threading.Lock()
         self._closed = False
-        self._enqueue_lock = threading.Lock()
-        self._stopping = False  # _STOP is queued: the writer takes nothing more
+        self._enqueue_lock = threading.Lock()  # _enqueue's closed check and close()'s _STOP
         self._listeners = Listeners()
         for level, tier in enumerate(self.tiers):
             tier.evict_listener = self._make_evict_listener(level)
@@ -281,7 +280,7 @@ class TieredStore:
 
     def _enqueue(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
         with self._enqueue_lock:  # close() puts _STOP under it: nothing lands behind _STOP
-            if self._stopping:  # a store() that raced close(): its write-down is not taken
+            if self._closed:  # a store() that raced close(): its write-down is not taken
                 self.metrics.dropped_writes.labels(self.tiers[level].name, "closed").inc(len(entries))
                 return
             try:
@@ -393,8 +392,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        with self._enqueue_lock:
-            self._stopping = True
+        with self._enqueue_lock:  # after _closed is set: an enqueue holding it now sees it
             self._queue.put(_STOP)
         self._writer.join()
         for tier in self.tiers:

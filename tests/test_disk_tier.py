@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,21 @@ def fill(tier: DiskTier, n: int, prefix: str = "k") -> list[bytes]:
     keys = [key_of(f"{prefix}{i}") for i in range(n)]
     assert tier.put([Entry(k, chunk_for(k)) for k in keys]) == [True] * n
     return keys
+
+
+@contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted under ``tmp_path`` (skips where mounting needs a
+    privilege this machine lacks), unmounted afterwards."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                      check=False, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root in a VM or privileged container)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def file_of(tier: DiskTier, key: bytes) -> Path:
@@ -209,12 +226,7 @@ def test_stale_temp_files_are_removed(tmp_path: Path) -> None:
 
 def test_full_file_system_evicts_and_retries(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """ENOSPC from a real 1 MiB tmpfs while the tier believes it has 8 MiB."""
-    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      check=False, capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root in a VM or privileged container)")
-    try:
+    with small_tmpfs(tmp_path, "1m") as mnt:
         tier = open_tier(mnt, capacity=8 * MiB)
         keys = [key_of(f"nospc{i}") for i in range(120)]
         with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
@@ -225,8 +237,6 @@ def test_full_file_system_evicts_and_retries(tmp_path: Path, caplog: pytest.LogC
         assert tier.get(keys[-1:]) == [chunk_for(keys[-1], tokens=64)]
         assert tier.check() == []
         tier.close()
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_evict_listener_gets_the_bytes(tmp_path: Path) -> None:
@@ -308,12 +318,7 @@ def test_a_read_only_medium_never_raises_nor_leaks_capacity(tmp_path: Path) -> N
     """A tmpfs remounted read-only under the tier: reads of a bad file, puts that must evict,
     deletes all answer (misses, False) without raising; once writable again, the whole
     capacity is usable (a put that failed used to keep its reservation for good)."""
-    mnt = tmp_path / f"ro-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                      check=False, capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root in a VM or privileged container)")
-    try:
+    with small_tmpfs(tmp_path, "4m") as mnt:
         tier = open_tier(mnt, capacity=8 * ALIGN)
         keys = fill(tier, 8)
         path = file_of(tier, keys[0])
@@ -332,8 +337,6 @@ def test_a_read_only_medium_never_raises_nor_leaks_capacity(tmp_path: Path) -> N
         assert tier.usage().used_bytes == 8 * ALIGN and tier.check() == []
         assert tier.get(more) == [chunk_for(k) for k in more]
         tier.close()
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_an_evict_listener_that_raises_gives_the_reservation_back(tmp_path: Path) -> None:

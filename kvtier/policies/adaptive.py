@@ -305,14 +305,17 @@ class AdaptivePolicy(LeafTree):
             if origin < 0:
                 return self._evict_without_leaf()
         key = heapq.heappop(heaps[origin])[2]
-        node = self._nodes.pop(key)
+        self._evicted(key, self._nodes.pop(key), origin)
+        return key
+
+    def _evicted(self, key: bytes, node: _Node, origin: int) -> None:
+        """Bookkeeping for ``key``, evicted from set ``origin`` (and already out of the index)."""
         if origin != _T2 and node.parent:  # a once-seen child died unread: rule 5's -1
             pn = self._nodes.get(node.parent)
             if pn is not None and pn.score > -self._score_cap:
                 pn.score -= 1
         self._count_eviction(origin)
         self._forget(key, node, origin)
-        return key
 
     def forget_evicted(self, key: bytes) -> None:
         """Another policy tracking the same keys evicted ``key`` (kvtier.policies.dueling):
@@ -320,14 +323,8 @@ class AdaptivePolicy(LeafTree):
         raise stay what an eviction leaves (``remove`` would leave a ghost that teaches
         nothing). Unknown keys are ignored."""
         node = self._nodes.pop(key, None)
-        if node is None:
-            return
-        if node.kind != _T2 and node.parent:
-            pn = self._nodes.get(node.parent)
-            if pn is not None and pn.score > -self._score_cap:
-                pn.score -= 1
-        self._count_eviction(node.kind)
-        self._forget(key, node, node.kind)
+        if node is not None:
+            self._evicted(key, node, node.kind)
 
     def _count_eviction(self, origin: int) -> None:
         self._evictions += 1
