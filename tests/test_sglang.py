@@ -60,7 +60,7 @@ def test_sglang_venv_keeps_its_packages_to_itself() -> None:
 
 
 def test_backend_on_real_sglang_pools_every_layout_tier_and_failure() -> None:
-    run_checks("check_backend.py", "check_tiers.py", "check_usage.py", "check_readahead.py")
+    run_checks("check_backend.py", "check_pool_kinds.py", "check_tiers.py", "check_usage.py", "check_readahead.py")
 
 
 def test_controller_threads_faults_two_tp_ranks_and_pages_shared_with_transformers() -> None:
