@@ -148,6 +148,30 @@ def test_cpu_pins_and_evict_listener() -> None:
     assert tier.check() == []
 
 
+@pytest.mark.parametrize("kind", ["memory", "disk", "disk-buffered"])
+def test_put_that_cannot_fit_beside_pins_evicts_nothing(kind: str, tmp_path: Path) -> None:
+    """A chunk larger than capacity minus the pinned bytes is refused before any eviction:
+    the old code threw every unpinned chunk away and then refused anyway."""
+    unit = 4096 if kind == "disk" else CHUNK  # O_DIRECT files take whole 4 KiB blocks
+    cap = 7 * unit
+    tier: Any = (MemoryTier(cap) if kind == "memory" else DiskTier(DiskTierConfig(
+        path=str(tmp_path / "d"), capacity_bytes=cap, o_direct=kind == "disk")))
+    keys = [key_of(f"fit{i}") for i in range(6)]
+    assert tier.put([Entry(k, chunk_for(k)) for k in keys]) == [True] * 6
+    tier.pin(keys[:4])
+    big_key = key_of("fit-big")
+    big = chunk_for(big_key, tokens=112)  # more than 3 units (all but the pins), less than 7
+    assert 3 * unit < len(big) < cap  # the 4 pinned chunks take 4 units
+    assert tier.put([Entry(big_key, big)]) == [False]
+    assert tier.get(keys) == [chunk_for(k) for k in keys]  # nothing was evicted
+    assert tier.usage().evictions == 0
+    tier.unpin(keys[:4])  # now it fits once unpinned chunks go
+    assert tier.put([Entry(big_key, big)]) == [True]
+    assert tier.get([big_key]) == [big] and tier.usage().evictions > 0
+    assert tier.check() == []
+    tier.close()
+
+
 def test_cpu_slot_being_read_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader's slot survives eviction until the reader leaves (reader count + retire)."""
     tier = cpu(SLOT)

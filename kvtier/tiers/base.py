@@ -312,9 +312,24 @@ class BoundedTier(TierBase):
     policy: EvictionPolicy
     _used: int
     _evictions: int = 0
+    _pins: frozenset[bytes] = frozenset()  # replaced (never mutated) by pin/unpin, lock held
 
     def _entries(self) -> int:
         raise NotImplementedError
+
+    def _size_of(self, key: bytes) -> int:
+        """Bytes ``key``'s chunk counts against the capacity, 0 when not held (lock held).
+        Byte-bounded tiers (memory, disk) implement it for :meth:`_unfittable`; the cpu
+        tier's slots always fit one chunk beside any pins, so it never asks."""
+        raise NotImplementedError
+
+    def _unfittable(self, size: int) -> bool:
+        """True when ``size`` more bytes cannot fit even after every unpinned chunk is gone:
+        the put is refused before anything is evicted, not after the whole unpinned cache
+        was thrown away for nothing. Lock held; O(pins), so callers ask only when a put must
+        evict and something is pinned."""
+        pinned = sum(self._size_of(key) for key in self._pins)
+        return size > self.capacity_bytes - pinned
 
     def _pick_victim(self) -> bytes:
         """The policy's next victim, counted in ``usage().evictions``. Call under the lock;
@@ -328,11 +343,13 @@ class BoundedTier(TierBase):
         with self._lock:
             for key in keys:
                 self.policy.pin(key)
+            self._pins = self._pins.union(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
                 self.policy.unpin(key)
+            self._pins = self._pins.difference(keys)
 
     def usage(self) -> TierUsage:
         with self._lock:

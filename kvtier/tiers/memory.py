@@ -68,14 +68,14 @@ class MemoryTier(BoundedTier):
         if old is not None:
             self._used -= len(old)
             self.policy.remove(e.key)
+        if self._pins and self._used + size > self.capacity_bytes and self._unfittable(size):
+            self._keep(e, old)
+            return False
         while self._used + size > self.capacity_bytes:
             try:
                 victim = self._pick_victim()
-            except NothingToEvict:  # refused: the key keeps the chunk it had (it fits again)
-                if old is not None:
-                    self._data[e.key] = old
-                    self._used += len(old)
-                    self.policy.insert(e.key, len(old), e.depth, e.parent)
+            except NothingToEvict:
+                self._keep(e, old)
                 return False
             value = self._data.pop(victim)
             self._used -= len(value)
@@ -86,6 +86,17 @@ class MemoryTier(BoundedTier):
         self._forget_evicted(e.key)
         self.policy.insert(e.key, size, e.depth, e.parent)
         return True
+
+    def _keep(self, e: Entry, old: bytes | None) -> None:
+        """A refused put: the key keeps the chunk it had (it fit before, so it fits again)."""
+        if old is not None:
+            self._data[e.key] = old
+            self._used += len(old)
+            self.policy.insert(e.key, len(old), e.depth, e.parent)
+
+    def _size_of(self, key: bytes) -> int:
+        value = self._data.get(key)
+        return 0 if value is None else len(value)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)

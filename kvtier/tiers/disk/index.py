@@ -102,6 +102,9 @@ class DiskIndex(BoundedTier):
         reused = 0
         if size > self.capacity_bytes:
             return None
+        need = self._used + self._reserved + size > self.capacity_bytes
+        if need and self._pins and self._unfittable(size):
+            return None
         while self._used + self._reserved + size > self.capacity_bytes:
             victim = self._evict_one(p)
             if victim is None:
@@ -174,6 +177,9 @@ class DiskIndex(BoundedTier):
     # --- the index side of the contract -------------------------------------------------------
     def _entries(self) -> int:
         return len(self._index)
+
+    def _size_of(self, key: bytes) -> int:
+        return self._index.get(key, 0)
 
     def check(self) -> list[str]:
         with self._lock:
