@@ -45,6 +45,7 @@ from kvtier_hf.compat import (
     seq_length,
     text_config,
 )
+from kvtier_hf.identity import derived_revision, overrides_suffix
 from kvtier_hf.kv import kv_payload
 from kvtier_hf.kvpool import KVPool
 from kvtier_hf.restore import restore, staging_for
@@ -59,13 +60,17 @@ def namespace_for(model: PreTrainedModel, chunk_tokens: int = 256, *, model_id: 
                   rank: int = 0, world_size: int = 1) -> NamespaceSpec:
     """The namespace of ``model``'s K/V: id from ``model_id`` or ``config.name_or_path``;
     revision from ``revision``, else ``model.kvtier_revision`` (testing builder), else the
-    hub commit hash; KV dtype from the parameters; layout from the (text) config."""
+    hub commit hash, else a fingerprint of the checkpoint's files or weights (kvtier_hf.identity),
+    plus ``+cfg=`` when the config was overridden at load; KV dtype from the parameters; layout
+    from the (text) config."""
     cfg = text_config(model.config)
     mid = model_id or getattr(model.config, "name_or_path", "") or ""
     if not mid:
         raise ValueError("model has no config.name_or_path; pass model_id= to name its namespace")
     rev = revision if revision is not None else (
-        getattr(model, "kvtier_revision", None) or getattr(model.config, "_commit_hash", None) or "")
+        getattr(model, "kvtier_revision", None) or getattr(model.config, "_commit_hash", None)
+        or derived_revision(model))
+    rev += overrides_suffix(model.config)
     dtype = next(model.parameters()).dtype
     if dtype not in TORCH_TO_KV_DTYPE:
         raise ValueError(f"model dtype {dtype} has no kvtier KV dtype; expected one of "

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError
 
-from .namespace import EngineInfo
+from .namespace import EngineInfo, engine_revision
 from .protocol import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import check_block_size, load_settings
@@ -121,7 +121,7 @@ class KVTierConnector(KVConnectorBase_V1):
         backend = layer.attn_backend.get_name() if layer is not None else "unknown"
         return EngineInfo(
             model_id=self._settings.model_id or str(vc.model_config.model),
-            model_revision=self._settings.model_revision or str(vc.model_config.revision or ""),
+            model_revision=self._settings.model_revision or engine_revision(vc.model_config),
             block_size=self._block_size, cache_dtype=str(vc.cache_config.cache_dtype),
             rank=pp.rank_in_group * tp + tp_rank, world_size=pp.world_size * tp,
             dp_rank=int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0),

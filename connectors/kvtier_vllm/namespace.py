@@ -9,11 +9,14 @@ so MLA uses one namespace for all ranks (a shared tier keeps one copy, not one p
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtier.cache import PrefixCache
+from kvtier.checkpoint import checkpoint_revision
 from kvtier.config import KVTierConfig
 from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.store import TieredStore
@@ -37,6 +40,23 @@ class EngineInfo:
     isa: str | None
     kv_events: bool
     mla: bool = False  # MLA latent cache: one plane, the same bytes on every TP rank
+
+
+def engine_revision(model_config: Any) -> str:
+    """The revision of the engine's weights when ``model_revision`` is not set: vLLM's
+    ``revision``, else, for a model loaded from a local directory, a fingerprint of its files
+    (kvtier.checkpoint: a checkpoint saved again into the same directory must not be served
+    its predecessor's K/V; transformers computes the same one for the same directory); plus
+    ``+cfg=`` of ``hf_overrides`` when the engine overrides the saved config (other K/V)."""
+    revision = str(getattr(model_config, "revision", None) or "")
+    if not revision:
+        revision = checkpoint_revision(str(getattr(model_config, "model", "") or "")) or ""
+    overrides = getattr(model_config, "hf_overrides", None)
+    if overrides:
+        named = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)
+                 else json.dumps(overrides, sort_keys=True, default=str))
+        revision += "+cfg=" + hashlib.sha256(named.encode()).hexdigest()[:16]
+    return revision
 
 
 def engine_namespace(info: EngineInfo, layout: PagedLayout, first: torch.Tensor, num_layers: int,
