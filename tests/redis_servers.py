@@ -194,10 +194,11 @@ class RedisServer:
 
 @dataclass
 class RedisClusterServers:
-    """Three masters, no replicas, ``cluster-require-full-coverage no`` (a cache keeps serving
-    the slots of the masters that are up when one is down)."""
+    """Three masters (``replicas`` each, none by default), ``cluster-require-full-coverage
+    no`` (a cache keeps serving the slots of the masters that are up when one is down)."""
 
     masters: int = 3
+    replicas: int = 0  # per master (a failover needs one)
     args: tuple[str, ...] = ()
     ports: tuple[int, ...] = ()  # chosen here when empty
     password: str = ""  # requirepass (and masterauth) on every node
@@ -210,7 +211,8 @@ class RedisClusterServers:
         return f"{scheme}://" + ",".join(n.addr for n in self.nodes)
 
     def start(self, timeout: float = 30.0) -> RedisClusterServers:
-        ports = self.ports or tuple(free_port(cluster_bus=True) for _ in range(self.masters))
+        count = self.masters * (1 + self.replicas)
+        ports = self.ports or tuple(free_port(cluster_bus=True) for _ in range(count))
         args = self.args + (("--masterauth", self.password) if self.password else ())
         self.nodes = [RedisServer(port=p, cluster=True, args=args, password=self.password,
                                   tls=self.tls).start() for p in ports]
@@ -218,12 +220,18 @@ class RedisClusterServers:
         if self.tls:
             auth += ["--tls", "--cacert", self.tls["ca"]]
         cmd = [REDIS_CLI, *auth, "--cluster", "create", *[n.addr for n in self.nodes],
-               "--cluster-replicas", "0", "--cluster-yes"]
+               "--cluster-replicas", str(self.replicas), "--cluster-yes"]
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
         if done.returncode != 0:
             self.cleanup()
             raise RuntimeError(f"cluster create failed: {done.stdout!r} {done.stderr!r}")
         self.wait_ok(timeout)
+        deadline = time.monotonic() + timeout
+        while self.replicas and sum(n.client().info("replication").get("master_link_status") == "up"
+                                    for n in self.nodes) < self.masters * self.replicas:
+            if time.monotonic() > deadline:  # a replica that never synced cannot fail over
+                raise RuntimeError("cluster replicas did not sync in time")
+            time.sleep(0.05)
         return self
 
     def wait_ok(self, timeout: float = 30.0) -> None:
@@ -242,7 +250,7 @@ class RedisClusterServers:
             return False
         text = info.decode() if isinstance(info, bytes) else str(info)
         return ("cluster_state:ok" in text
-                and f"cluster_known_nodes:{self.masters}" in text
+                and f"cluster_known_nodes:{self.masters * (1 + self.replicas)}" in text
                 and "cluster_slots_ok:16384" in text)
 
     def dbsizes(self) -> list[int]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import ABSENT, NODE_DOWN, TIMEOUT, Entry, Miss
@@ -69,9 +70,9 @@ class TestRedisClusterContract(TierContract):
         return factory
 
 
-def _owner(cluster: RedisClusterServers, name: bytes) -> RedisServer:
+def _owner(cluster: RedisClusterServers, name: bytes, password: str = "") -> RedisServer:
     """The master that holds ``name`` (asked of the servers, not of the tier)."""
-    raw = cluster.nodes[0].client()
+    raw = redis.Redis(port=cluster.nodes[0].port, password=password or None)
     slot = int(raw.execute_command("CLUSTER", "KEYSLOT", name))
     for start, end, (_host, port, *_id), *_replicas in raw.execute_command("CLUSTER", "SLOTS"):
         if start <= slot <= end:
@@ -186,6 +187,53 @@ def test_sigkill_master_under_load_then_recovery(cluster: RedisClusterServers,
     assert any(m.reason == NODE_DOWN for m in misses)
     assert max(d for d, _ in log) < FAST["timeout_s"] + 1.0
     assert t.failures["node_down"] > 0
+
+
+def test_failover_to_a_replica_is_picked_up(tiers: Callable[..., RedisTier]) -> None:
+    """A master dies and its replica takes over: the tier must find the slots' new master on
+    its own. (It used to skip the dead node's commands forever, so nothing refreshed the map.)"""
+    c = RedisClusterServers(replicas=1).start()
+    try:
+        t = tiers(c.url)
+        keys = [key_of(f"fo{i}") for i in range(24)]
+        assert t.put([Entry(k, chunk_for(k)) for k in keys]) == [True] * len(keys)
+        victim = _owner(c, t.redis_key(keys[0]))
+        on_victim = [k for k in keys if _owner(c, t.redis_key(k)) is victim]
+        victim.kill()
+        assert t.get(on_victim)[0] in (Miss(NODE_DOWN), Miss(TIMEOUT))  # noticed it is down
+        survivor = next(n for n in c.nodes if n is not victim and n.client().info(
+            "replication")["role"] == "master")
+        assert _eventually(lambda: b"cluster_state:ok" in survivor.client().execute_command(
+            "CLUSTER", "INFO"), 20)  # the replica was promoted
+        # Writes reach the new master and reads hit, without any restart of the dead node.
+        assert _eventually(lambda: t.put([Entry(k, chunk_for(k)) for k in on_victim])
+                           == [True] * len(on_victim), 15)
+        assert t.get(on_victim) == [chunk_for(k) for k in on_victim]
+        assert _eventually(lambda: victim.addr not in t.down_nodes(), 10)
+    finally:
+        c.cleanup()
+
+
+def test_one_master_refusing_auth_spares_the_others(tiers: Callable[..., RedisTier]) -> None:
+    """A rolling password rotation reached one master first: its keys miss, the other
+    masters' keys keep hitting (they used to fail with it, on every call)."""
+    c = RedisClusterServers(password="old").start()
+    try:
+        t = tiers(c.url, password="old")
+        keys = [key_of(f"auth{i}") for i in range(24)]
+        assert t.put([Entry(k, chunk_for(k)) for k in keys]) == [True] * len(keys)
+        rotated = c.nodes[2]
+        healthy = [k for k in keys if _owner(c, t.redis_key(k), "old") is not rotated]
+        raw = rotated.client()
+        raw.config_set("requirepass", "new")
+        raw.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        t.get(keys)  # the batch that meets the refusal
+        got = t.get(keys)
+        assert [g for k, g in zip(keys, got) if k in healthy] == [chunk_for(k) for k in healthy]
+        assert {g.reason for g in got if isinstance(g, Miss)} == {NODE_DOWN}
+        assert rotated.addr in t.down_nodes() and t.failures["auth"] > 0
+    finally:
+        c.cleanup()
 
 
 def test_lazy_start_before_the_cluster_exists(tiers: Callable[..., RedisTier]) -> None:

@@ -1,8 +1,9 @@
 """The redis tier against real single-node redis-server processes (tests/redis_servers.py).
 
 Covers: the contract suite, URL forms, the key layout, TTL expiry as a labelled miss, the
-value-size bound, OOM (maxmemory + noeviction), a READONLY replica, wrong credentials and TLS
-mismatches at start (clear TierUnavailableError), lazy start, a restart mid-run, a frozen
+value-size bound (on puts, and on reads of values something else planted), OOM (maxmemory + noeviction), a READONLY replica, wrong credentials and TLS
+mismatches at start (clear TierUnavailableError), a cluster node behind a plain URL, a
+least-privilege ACL user, lazy start, a restart mid-run, a frozen
 server (timeouts, no hang), and the rate-limited failure log.
 """
 
@@ -21,12 +22,13 @@ import pytest
 
 from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError, TierUnavailableError
-from kvtier.tiers.base import ABSENT, EXPIRED, NODE_DOWN, TIMEOUT, Entry, Miss
+from kvtier.tiers.base import ABSENT, EXPIRED, NODE_DOWN, TIMEOUT, TOO_LARGE, Entry, Miss
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis.conn import parse_url, resolve_target
 from tests.contract import TierContract, chunk_for, key_of
 from tests.redis_servers import (  # noqa: F401 (redis_tiers provides the "tiers" fixture)
     FAST,
+    RedisClusterServers,
     RedisServer,
     free_port,
     have_redis,
@@ -148,6 +150,45 @@ def test_too_large_refused_before_sending(server: RedisServer,
     assert t.get([big]) == [Miss(ABSENT)]
 
 
+def test_value_over_the_limit_is_not_read_whole(server: RedisServer,
+                                                tiers: Callable[..., RedisTier]) -> None:
+    """Something else wrote a value larger than any chunk under a chunk key (a deployment
+    sharing the prefix, a hostile client): the read stops one byte past max_value_bytes."""
+    t = tiers(server.url, max_value_bytes=4096)
+    big, small = key_of("planted"), key_of("fine")
+    server.client().set(t.redis_key(big), os.urandom(1 << 20))
+    chunk = chunk_for(small)
+    assert t.put([Entry(small, chunk)]) == [True]
+    assert t.get([big, small]) == [Miss(TOO_LARGE), chunk]
+    assert t.failures["too_large"] == 1
+    out = bytearray(4096)
+    assert t.get_into([big], [memoryview(out)]) == [Miss(TOO_LARGE)]
+
+
+def test_cluster_node_behind_a_plain_url_is_refused_at_start(tiers: Callable[..., RedisTier]) -> None:
+    c = RedisClusterServers().start()
+    try:
+        with pytest.raises(TierUnavailableError, match=r"redis\+cluster://"):
+            tiers(c.nodes[0].url)
+    finally:
+        c.cleanup()
+
+
+def test_least_privilege_acl_user(server: RedisServer, tiers: Callable[..., RedisTier]) -> None:
+    """The commands docs/redis.md lists are all a tier needs (no CLIENT SETNAME, say)."""
+    server.client().execute_command(
+        "ACL", "SETUSER", "kvleast", "on", ">pw", "~kvtier:*", "+getrange", "+set", "+mset",
+        "+exists", "+unlink", "+ping", "+info", "+dbsize")
+    try:
+        t = tiers(f"redis://kvleast:pw@{server.addr}/0")
+        k = key_of("acl")
+        assert t.put([Entry(k, chunk_for(k))]) == [True]
+        assert t.get([k]) == [chunk_for(k)] and t.contains([k]) == 1 and t.delete([k]) == 1
+        assert t.usage().used_bytes > 0
+    finally:
+        server.client().execute_command("ACL", "DELUSER", "kvleast")
+
+
 # --- Redis refusing writes -------------------------------------------------------------------
 def test_maxmemory_exhaustion_drops_writes(tiers: Callable[..., RedisTier]) -> None:
     s = RedisServer(args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
@@ -219,6 +260,10 @@ def test_tls_round_trip_and_misconfigurations(server: RedisServer, tls_files: di
         with pytest.raises(TierUnavailableError, match="TLS"):  # TLS to a plain-TCP port
             tier_for(server.url.replace("redis://", "rediss://"), tls_ca=tls_files["ca"])
         assert time.monotonic() - t0 < FAST["timeout_s"] + 1.5
+        missing = str(Path(tls_files["ca"]).with_name("no-such-ca.pem"))
+        for lazy in (False, True):  # a typo in a path is a config error, never "Redis is down"
+            with pytest.raises(ConfigError, match="redis.tls_ca: cannot read"):
+                tier_for(s.url, tls_ca=missing, lazy_connect=lazy)
     finally:
         s.cleanup()
 

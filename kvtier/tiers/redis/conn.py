@@ -21,6 +21,7 @@ node twice, and (b) reports a failed connect to :class:`NodeHealth` with the exa
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from redis.retry import Retry
 from kvtier.codec import Buf
 from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError, TierUnavailableError
-from kvtier.tiers.redis.health import F_AUTH, NodeHealth, classify
+from kvtier.tiers.redis.health import F_AUTH, MEDIUM_ERRORS, NodeHealth, classify
 
 DEFAULT_PORT = 6379
 # Bytes per recv(): redis-py's 64 KiB default costs 16 syscalls and 16 parser feeds per MiB;
@@ -136,6 +137,11 @@ def resolve_target(cfg: RedisTierConfig) -> RedisTarget:
                               f"{exc.strerror}") from exc
     if cfg.password:
         password = cfg.password
+    for setting in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(cfg, setting)
+        if t.tls and path and not os.access(path, os.R_OK):
+            raise ConfigError(f"redis.{setting}: cannot read {path!r} (missing, or not readable "
+                              "by this process)")
     return RedisTarget(t.cluster, t.tls, t.nodes, cfg.username or t.username, password, t.db)
 
 
@@ -164,8 +170,17 @@ def guarded_connection_class(tls: bool, health: NodeHealth) -> type[Connection]:
             health.failed(name, f"connect failed: {exc!r}")
             raise
 
+    def on_connect(self: Connection) -> None:
+        try:
+            super(cls, self).on_connect()  # type: ignore[safe-super]
+        except MEDIUM_ERRORS as exc:  # the handshake (AUTH, ACL) refused: back this node off
+            if classify(exc).label == F_AUTH:  # so other nodes' commands still go out
+                health.failed(node_name(self.host, self.port), f"handshake refused: {exc!r}")
+            raise
+
     cls: type[Connection] = type("KVTierGuarded" + base.__name__, (base,), {
-        "_connect": _connect, "_construct_command_packer": _construct_command_packer})
+        "_connect": _connect, "on_connect": on_connect,
+        "_construct_command_packer": _construct_command_packer})
     return cls
 
 
@@ -179,7 +194,8 @@ def _connection_kwargs(cfg: RedisTierConfig, target: RedisTarget,
         "socket_read_size": SOCKET_READ_SIZE,
         "username": target.username or None,
         "password": target.password or None,
-        "client_name": "kvtier",
+        # No client_name: CLIENT SETNAME needs an ACL permission of its own, and a
+        # least-privilege user (the commands in docs/redis.md) could not connect at all.
     }
     if target.tls:
         kw.update({

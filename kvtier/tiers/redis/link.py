@@ -92,6 +92,8 @@ class RedisLink:
                 self.client.ping()
             except MEDIUM_ERRORS as exc:
                 self._startup_failed(exc, t.node_names[0])
+                return
+            self._refuse_cluster_node()
             return
         try:
             client = build_cluster(self.config, t, self.health)
@@ -112,6 +114,20 @@ class RedisLink:
         for name, err in errors:  # some masters down: serve the others, re-ping these
             log.warning("redis tier %r: master %s unreachable at start: %s", self.name, name, err)
             self.health.failed(name, f"at start: {err}")
+
+    def _refuse_cluster_node(self) -> None:
+        """A ``redis://`` URL naming a Redis Cluster node would serve only that node's slots
+        and fail the rest with MOVED at every call: refuse it at start, naming the fix."""
+        assert isinstance(self.client, redis.Redis)
+        try:
+            enabled = self.client.info("cluster").get("cluster_enabled")
+        except MEDIUM_ERRORS as exc:  # INFO refused by an ACL, say: the ping answered, go on
+            log.debug("redis tier %r: INFO cluster failed: %s", self.name, exc)
+            return
+        if enabled in (1, "1"):
+            raise TierUnavailableError(
+                f"redis tier {self.name!r}: {self.target.display} is a Redis Cluster node; use a "
+                "redis+cluster:// (or rediss+cluster://) URL to reach the whole cluster")
 
     def _refuse_if_misconfigured(self, exc: BaseException) -> None:
         err = misconfiguration(exc, self.target, self.name)
@@ -144,10 +160,14 @@ class RedisLink:
             return True
         client = self.client
         if isinstance(client, RedisCluster):
+            # The slot map first: after a failover (or a pod back on a new address) the dead
+            # master's slots live elsewhere, and nothing else would learn it, since commands
+            # for a down node are never sent (so no MOVED comes back).
+            client.nodes_manager.initialize(disconnect_startup_nodes_pools=False)
+            if name not in {n.name for n in client.get_primaries()}:
+                return True  # no longer a master: nothing routes to it any more
             node = client.get_node(node_name=name)
-            if node is None:  # left the topology: nothing routes to it any more
-                return True
-            return bool(client.get_redis_connection(node).ping())
+            return node is not None and bool(client.get_redis_connection(node).ping())
         return client is not None and bool(client.ping())
 
     # --- failure plumbing ----------------------------------------------------------------------

@@ -42,6 +42,7 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import (
     ABSENT,
     EXPIRED,
+    TOO_LARGE,
     Entry,
     Miss,
     Probe,
@@ -135,18 +136,35 @@ class RedisTier(TierBase):
         if not keys:
             return []
         names = [self.redis_key(k) for k in keys]
+        # GETRANGE, not GET: a value under our key that is larger than any chunk we write (a
+        # deployment sharing the key prefix, an older kvtier, a hostile client) is read only
+        # up to one byte past the limit, never whole. A missing key reads as b"".
+        limit = self.config.max_value_bytes
         replies: list[Any]
         if self.target.cluster:
-            replies = self._link.cluster([("GET", n) for n in names])
+            replies = self._link.cluster([("GETRANGE", n, 0, limit) for n in names])
         else:
-            got = self._link.single(len(names), lambda c: c.mget(names))
+            def run(c: redis.Redis) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                for n in names:
+                    pipe.getrange(n, 0, limit)
+                return pipe.execute(raise_on_error=False)
+            got = self._link.single(len(names), run)
             replies = [got] * len(names) if isinstance(got, Failure) else got
         out: list[bytes | Miss] = []
         for key, reply in zip(keys, replies):
-            if reply is None:
-                out.append(self._miss(key))
-            elif isinstance(reply, Failure):
+            if isinstance(reply, Failure):
                 out.append(Miss(reply.miss_reason))
+            elif isinstance(reply, BaseException):  # an error reply inside a single pipeline
+                f = classify(reply)
+                self._link.failed(f, 1, reply, None)
+                out.append(Miss(f.miss_reason))
+            elif not reply:
+                out.append(self._miss(key))
+            elif len(reply) > limit:
+                self._link.failures.record(F_TOO_LARGE, 1, f"a value over max_value_bytes={limit} "
+                                           "under a chunk key, not read")
+                out.append(Miss(TOO_LARGE))
             else:
                 out.append(reply)
         return out
