@@ -4,8 +4,9 @@ Precedence (lowest first): defaults < YAML file < ``KVTIER_*`` environment < exp
 Environment names are ``KVTIER_<FIELD>`` for top-level fields and ``KVTIER_<SECTION>__<FIELD>``
 for sections, e.g. ``KVTIER_DISK__PATH=/mnt/nvme/kvtier``, ``KVTIER_CPU__CAPACITY_BYTES=8GiB``.
 A ``KVTIER_*`` name that is neither a field nor a section is not a library setting and is
-ignored (kvtier-server's ``KVTIER_SERVER_*``, tools' and tests' variables); inside a known
-section an unknown field is an error, as in YAML.
+ignored (kvtier-server's ``KVTIER_SERVER_*``, tools' and tests' variables), with a warning
+where it looks like a misspelt setting (``KVTIER_DISK_PATH``); inside a known section an
+unknown field is an error, as in YAML. Sources are read by kvtier.config_sources.
 Sizes accept plain integers or suffixed strings (``512MiB``, ``4GiB``, ``1.5GB``); tuples
 accept YAML lists or comma-separated strings. Every invalid value raises
 :class:`kvtier.errors.ConfigError` naming the field and what it allows.
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
-import re
 import types
 import typing
 from collections.abc import Mapping
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.config_sources import deep_merge, env_suggestion, env_to_dict, parse_size, read_yaml
 from kvtier.errors import ConfigError
 from kvtier.policies import DEFAULT_POLICY
+from kvtier.protocol.addresses import parse_hostport
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -144,6 +147,24 @@ class GrpcTierConfig:
         kind, sep, rest = self.discovery.partition(":")
         if self.discovery and (kind not in ("dns", "srv") or not sep or not rest):
             raise ConfigError(f"grpc.discovery: {self.discovery!r}: expected dns:HOST:PORT or srv:NAME")
+        for i, node in enumerate(self.nodes):
+            if not _is_hostport(node):
+                raise ConfigError(f"grpc.nodes[{i}]: {node!r} is not HOST:PORT with a port in 1-65535 "
+                                  f"(e.g. 10.0.0.5:50051, [::1]:50051)")
+
+
+def _is_hostport(node: object) -> bool:
+    if not isinstance(node, str):
+        return False
+    try:
+        parse_hostport(node)
+    except ValueError:
+        return False
+    # parse_hostport takes any text before the last colon as the host: a URL (http://h:50051)
+    # or a bare IPv6 address (::1:50051) would reach gRPC as a target it misreads.
+    host = node.rpartition(":")[0]
+    bracketed = host.startswith("[") and host.endswith("]")
+    return not ("/" in host or any(c.isspace() for c in host) or (":" in host and not bracketed))
 
 
 @dataclass(frozen=True)
@@ -212,13 +233,23 @@ class KVTierConfig:
         merged: dict[str, Any] = {}
         if path is not None:
             deep_merge(merged, read_yaml(Path(path)))
-        from_env = env_to_dict(os.environ if env is None else env)
+        environ = os.environ if env is None else env
+        from_env = env_to_dict(environ)
         known = {f.name for f in dataclasses.fields(cls)}
         for name in sorted(set(from_env) - known):
-            # KVTIER_SERVER_* is kvtier-server's namespace; other KVTIER_* names belong to
-            # tools and tests (KVTIER_TRACE, KVTIER_SGLANG_VENV, ...): not library settings.
-            log.debug("ignoring KVTIER_%s: not a kvtier library setting", name.upper())
             del from_env[name]
+        for var in sorted(v for v in environ if v.startswith("KVTIER_")):
+            rest = var[len("KVTIER_"):].lower()
+            if rest.split("__")[0] in known:
+                continue
+            # KVTIER_SERVER_* is kvtier-server's namespace; other KVTIER_* names belong to
+            # tools and tests (KVTIER_TRACE, KVTIER_SGLANG_VENV, ...): not library settings,
+            # so not an error; but a near miss of a setting would silently do nothing.
+            guess = env_suggestion(cls, rest)
+            if guess:
+                log.warning("ignoring %s: not a kvtier setting; did you mean %s?", var, guess)
+            else:
+                log.debug("ignoring %s: not a kvtier library setting", var)
         deep_merge(merged, from_env)
         if overrides:
             deep_merge(merged, dict(overrides))
@@ -227,23 +258,6 @@ class KVTierConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVTierConfig:
         return from_dict(cls, data)
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6,
-          "mb": 10**6, "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30,
-          "gi": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}
-
-
-def parse_size(value: Any, where: str = "size") -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a byte size, got {value!r}")
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"{where}: {value!r} is not a byte size (e.g. 1048576, 512MiB, 4GiB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 def _coerce(f: dataclasses.Field[Any], tp: Any, value: Any, where: str) -> Any:
@@ -263,6 +277,10 @@ def _coerce(f: dataclasses.Field[Any], tp: Any, value: Any, where: str) -> Any:
             return False
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
+        # bool is an int, and YAML reads yes/no/on/off as booleans: refuse `chunk_tokens: yes`
+        # rather than take it as 1.
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
         if f.metadata.get("size"):
             return parse_size(value, where)
         try:
@@ -273,12 +291,26 @@ def _coerce(f: dataclasses.Field[Any], tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
     if tp is float:
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond a float
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        # NaN compares false with both ends of a range, so it would pass _validate.
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if typing.get_origin(tp) is tuple:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(str(i).strip() for i in items if str(i).strip())
+        if isinstance(value, str):
+            items: list[Any] = value.split(",")
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise ConfigError(f"{where}: expected a list or a comma-separated string, got {value!r}")
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise ConfigError(f"{where}[{i}]: expected a string, got {item!r}")
+        return tuple(i.strip() for i in items if i.strip())
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -304,9 +336,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     assert dataclasses.is_dataclass(cls)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    # key=str: YAML 1.1 reads keys such as `on:` or `1:` as bool/int, which do not sort with str.
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown setting; known: {', '.join(sorted(fields))}")
+        hint = " (YAML reads an unquoted on/off/yes/no key as a boolean)" if isinstance(unknown[0], bool) else ""
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown setting{hint}; known: {', '.join(sorted(fields))}")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         where = prefix + name
@@ -319,38 +353,3 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
         elif f.default is not dataclasses.MISSING:
             _validate(f, f.default, where)
     return cls(**kwargs)
-
-
-def env_to_dict(env: Mapping[str, str], prefix: str = "KVTIER_") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in env.items():
-        if not name.startswith(prefix):
-            continue
-        path = name[len(prefix):].lower().split("__")
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return out
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: top level must be a mapping")
-    return data
-
-
-def deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
-    for key, value in new.items():
-        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
-            deep_merge(into[key], value)
-        else:
-            into[key] = dict(value) if isinstance(value, Mapping) else value
