@@ -159,12 +159,46 @@ def test_reads_the_mooncake_trace() -> None:
     ('{"prompt": "hi"}', "needs --tokenizer"),
     ('{"hash_ids": [1, 2], "input_length": 5000}', "does not fit 2 blocks"),
     ('{"tokens": [1], "timestamp": "yesterday"}', "not ISO-8601"),
+    ('{"hash_ids": [1, 18446744073709551616], "input_length": 1000}', ":1: 'hash_ids' must be a list of non-negative integers below 2**64; item 1"),
+    ('{"tokens": [1, 4294967296]}', ":1: 'tokens' must be a list of non-negative integers below 2**32; item 1"),
+    ('{"tokens": [1], "timestamp": NaN}', ":1: 'timestamp' nan is not a finite number"),
+    ('{"tokens": [1], "timestamp": 1e400}', ":1: 'timestamp' inf is not a finite number"),
+    pytest.param('{"tokens": [1], "timestamp": 1' + "0" * 400 + '}', ":1: 'timestamp' .* is not a finite number", id="400-digit-timestamp"),
 ])
 def test_bad_lines_are_named(tmp_path: Path, line: str, needle: str) -> None:
     p = tmp_path / "bad.jsonl"
     p.write_text(line + "\n")
-    with pytest.raises(readers.LogError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(readers.LogError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("**", r"\*\*")):
         readers.read_log(p)
+
+
+def test_gzip_and_non_utf8_logs(tmp_path: Path) -> None:
+    """A gzip-compressed log reads as the plain one; a non-UTF-8 line or a truncated gzip
+    stream is a LogError naming the file and line."""
+    import gzip
+
+    logs = random_token_log(1, 10)
+    plain = readers.read_log(write_tokens(tmp_path / "t.jsonl", logs), chunk_tokens=2)
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress((tmp_path / "t.jsonl").read_bytes()))
+    assert [r.keys for r in readers.read_log(gz, chunk_tokens=2).requests] == [r.keys for r in plain.requests]
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gz.read_bytes()[:-12])
+    with pytest.raises(readers.LogError, match=r"cut\.jsonl\.gz:\d+: cannot decompress"):
+        readers.read_log(cut)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"tokens": [1, 2]}\n{"tokens": [1, 2], "tenant": "caf\xe9"}\n')
+    with pytest.raises(readers.LogError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        readers.read_log(latin1)
+
+
+def test_mooncake_trace_ignores_chunk_tokens_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    p = tmp_path / "mc.jsonl"
+    p.write_text('{"hash_ids": [1, 2], "input_length": 1000}\n')
+    with caplog.at_level("WARNING", logger="kvtier.analyze.readers"):
+        assert readers.read_log(p).chunk_tokens == 512 and not caplog.records
+        assert readers.read_log(p, chunk_tokens=16).chunk_tokens == 512
+    assert "--chunk-tokens 16 is not used" in caplog.records[0].getMessage()
 
 
 def test_text_logs_use_a_local_tokenizer(tmp_path: Path) -> None:
@@ -176,6 +210,12 @@ def test_text_logs_use_a_local_tokenizer(tmp_path: Path) -> None:
     assert log.source == "text" and log.requests[0].tokens == len(tok("alpha bravo", add_special_tokens=False)["input_ids"])
     with pytest.raises(readers.LogError, match="not a directory"):
         readers.load_tokenizer(str(tmp_path / "missing"))
+    # A chat template that raises (non-alternating roles, as Mistral's does): named, not a traceback.
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and not loop.first %}"
+                         "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}) + "\n")
+    with pytest.raises(readers.LogError, match=r"text\.jsonl:1: the tokenizer's chat template rejects .*roles must alternate"):
+        readers.read_log(p, tokenizer=tok, chunk_tokens=2)
 
 
 # --- cost ------------------------------------------------------------------------------------------
@@ -231,6 +271,10 @@ def test_cli_json_keys_and_errors(tmp_path: Path) -> None:
     assert sorted({p["capacity_tokens"] for p in doc["curve"]}) == [4, 8, 16]
     bad = _cli(str(log), "--policies", "nope", "-q")
     assert bad.returncode == 2 and "unknown policy 'nope'" in bad.stderr
+    trailing = _cli(str(log), "--policies", "lru,", "-q", "--json", "--chunk-tokens", "2", "--capacities", "4")
+    assert trailing.returncode == 0 and list(json.loads(trailing.stdout)["policies"]) == ["lru"], trailing.stderr
+    empty = _cli(str(log), "--policies", " ,", "-q")
+    assert empty.returncode == 2 and "--policies ' ,': no policy name" in empty.stderr
     missing = _cli(str(tmp_path / "none.jsonl"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
     assert _cli().returncode == 2

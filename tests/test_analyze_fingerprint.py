@@ -69,3 +69,15 @@ def test_same_text_other_tokenizer_is_caught(tmp_path: Path) -> None:
     assert fingerprint.check(same, golden) == []
     (problem,) = fingerprint.check(other, golden)
     assert "same text, different tokens" in problem
+
+
+def test_unwritable_golden_and_non_utf8_template_are_named(tmp_path: Path) -> None:
+    t = tmp_path / "t.txt"
+    t.write_text(TEMPLATE)
+    nodir = _run("--fingerprint", str(t), "--update", "--golden", str(tmp_path / "nodir" / "g.json"))
+    assert nodir.returncode == 2 and "Traceback" not in nodir.stderr
+    assert "cannot write golden file" in nodir.stderr and "nodir" in nodir.stderr
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9 {q}\n")
+    bad = _run("--fingerprint", str(latin1), "--update")
+    assert bad.returncode == 2 and "latin1.txt" in bad.stderr and "not UTF-8" in bad.stderr

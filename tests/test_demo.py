@@ -80,6 +80,20 @@ def test_cli_help() -> None:
     bad = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--new-tokens", "0"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert bad.returncode == 2 and "expected an integer >= 1" in bad.stderr
+    word = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--prefix-tokens", "abc"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert word.returncode == 2 and "--prefix-tokens: expected an integer >= 1, got 'abc'" in word.stderr
+    assert "_positive" not in word.stderr
+
+
+def test_a_dir_that_cannot_hold_the_disk_tier_is_one_error_line(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--preset", "test", "-q",
+                           "--prefix-tokens", "64", "--chunk-tokens", "16", "--dir", str(afile)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot be created" in proc.stderr and str(afile) in proc.stderr
 
 
 def test_a_bad_or_dead_server_is_said_before_any_phase_runs() -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import socket
 
+from kvtier.errors import KVTierError
 from kvtier.protocol.addresses import parse_hostport
 
 log = logging.getLogger("kvtier.cli")
@@ -35,9 +36,14 @@ examples:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    # Our own message for a non-number too: argparse's would name this function
+    # ("invalid _positive value").
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
@@ -112,6 +118,9 @@ def _run_demo(ns: argparse.Namespace) -> int:
         if exc.name not in ("torch", "transformers", "safetensors"):
             raise
         log.error("kvtier demo needs torch and transformers (%s): pip install 'kvtier[hf]'", exc)
+        return 2
+    except KVTierError as exc:  # e.g. a --dir where the disk tier cannot be created
+        log.error("demo: %s", exc)
         return 2
     except RuntimeError as exc:  # the warm-phase process failed; its own errors came first
         log.error("%s", exc)

@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "See docs/analyze.md.")
     p.add_argument("log", nargs="?", help="JSONL request log (not needed with --fingerprint)")
     p.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory for text logs (nothing is downloaded)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per cached chunk (default 256, kvtier's)")
+    p.add_argument("--chunk-tokens", type=int, metavar="N",
+                   help="tokens per cached chunk (default 256, kvtier's); a Mooncake trace always uses "
+                        "its 512-token hash blocks (a warning says so if N differs)")
     p.add_argument("--capacities", metavar="TOKENS", type=lambda s: _counts(s, "--capacities"),
                    help="cache capacities in tokens of KV, e.g. 1M,4M,16M (default: 2..80%% of the log's distinct prefixes)")
     p.add_argument("--policies", metavar="NAMES", help="comma-separated policies (default: every registered one, and belady)")
@@ -69,16 +71,22 @@ def _fingerprint(ns: argparse.Namespace, tokenizer: Any) -> int:
 
     template = Path(ns.fingerprint)
     try:
-        text = template.read_text()
+        text = template.read_text(encoding="utf-8")
     except OSError as exc:
         return _fail(f"--fingerprint {str(template)!r}: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        return _fail(f"--fingerprint {str(template)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                     f"at offset {exc.start})")
     encode = (lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])) if tokenizer is not None else None
     fp = fpm.fingerprint(text, encode)
     golden_file = fpm.golden_path(template, Path(ns.golden) if ns.golden else None)
     for w in fpm.warnings(fp):
         print(f"kvtier analyze: warning: {template}: {w}", file=sys.stderr)
     if ns.update:
-        fpm.write_golden(golden_file, fp, template.name)
+        try:
+            fpm.write_golden(golden_file, fp, template.name)
+        except OSError as exc:  # e.g. --golden in a directory that does not exist
+            return _fail(f"cannot write golden file {str(golden_file)!r}: {exc.strerror or exc}")
         print(f"{template}: stable prefix {len(fp.stable_prefix)} chars, sha256 {fp.sha256}; wrote {golden_file}")
         return 0
     golden = fpm.load_golden(golden_file)
@@ -113,6 +121,10 @@ def _handle(ns: argparse.Namespace) -> int:
             return _fail(f"--breaker-sample must be >= 2, got {ns.breaker_sample}")
         if ns.kv_bytes_per_token is not None and ns.kv_bytes_per_token < 1:
             return _fail(f"--kv-bytes-per-token must be >= 1, got {ns.kv_bytes_per_token}")
+        # Empty items (`lru,`) are skipped; none left would mean "every policy", not what was asked.
+        policies = tuple(n.strip() for n in (ns.policies or "").split(",") if n.strip())
+        if ns.policies is not None and not policies:
+            return _fail(f"--policies {ns.policies!r}: no policy name in it")
         price = select(load_prices(ns.prices), ns.price_model) if ns.prices else None
         log = readers.read_log(ns.log, tokenizer=tokenizer, chunk_tokens=ns.chunk_tokens,
                                keep_heads=ns.breaker_sample, isolate_tenants=ns.isolate_tenants,
@@ -121,7 +133,7 @@ def _handle(ns: argparse.Namespace) -> int:
         caps = tuple(max(1, -(-int(t) // C)) for t in ns.capacities) if ns.capacities else ()
         decode = (lambda a: str(tokenizer.decode(a.tolist()))) if tokenizer is not None else None
         opts = analysis.Options(
-            capacities=caps, policies=tuple(n.strip() for n in ns.policies.split(",")) if ns.policies else (),
+            capacities=caps, policies=policies,
             ttls=ns.ttls or analysis.DEFAULT_TTLS, price=price, kv_bytes_per_token=ns.kv_bytes_per_token,
             breaker_sample=ns.breaker_sample, decode=decode, progress=progress, jobs=ns.jobs)
         doc = analysis.analyze(log, opts)
@@ -136,7 +148,15 @@ def _handle(ns: argparse.Namespace) -> int:
             Path(ns.html).write_text(html.render(doc))
         except OSError as exc:
             return _fail(f"--html {ns.html!r}: {exc.strerror or exc}")
-    print(json.dumps(doc) if ns.json else report.summary(doc))
+    if ns.json:
+        # allow_nan=False: bare NaN/Infinity is not JSON. The reader refuses non-finite input, so
+        # one here is a bug: report it rather than hand a strict parser downstream broken JSON.
+        try:
+            print(json.dumps(doc, allow_nan=False))
+        except ValueError as exc:
+            return _fail(f"--json: the result holds a non-finite number ({exc}); please report it")
+    else:
+        print(report.summary(doc))
     if ns.html and not ns.json:
         print(f"HTML report: {ns.html}")
     return 0

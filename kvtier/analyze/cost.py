@@ -76,9 +76,12 @@ def load_prices(path: str | Path) -> list[Price]:
     """Every model of the price table at ``path``; raises PriceError naming what is wrong."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise PriceError(f"price table {str(p)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise PriceError(f"price table {str(p)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                         f"at offset {exc.start})") from None
     try:
         doc = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

@@ -68,8 +68,8 @@ def load_golden(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FingerprintError(f"golden file {str(path)!r}: cannot read it: {exc}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("stable_prefix"), str):
         raise FingerprintError(f"golden file {str(path)!r}: not a {SCHEMA} document")

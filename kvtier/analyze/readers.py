@@ -1,11 +1,13 @@
 """Read a request log (JSONL) into a :class:`~kvtier.analyze.records.Log`.
 
-One JSON object per line; blank lines are skipped. Each line is one of:
+One JSON object per line (UTF-8, optionally gzip-compressed); blank lines are skipped. Each
+line is one of:
 - token ids: ``prompt_token_ids`` | ``token_ids`` | ``input_ids`` | ``tokens`` (list of ints);
 - text: ``prompt`` | ``text`` (string) or ``messages`` (chat list of ``{role, content}``),
   tokenized with ``--tokenizer`` (a local tokenizer directory; nothing is downloaded);
 - a Mooncake trace line: ``hash_ids`` (one id per ``block_tokens`` = 512-token block, already
-  prefix-chained) and ``input_length``; its ``timestamp`` is in milliseconds.
+  prefix-chained) and ``input_length``; its ``timestamp`` is in milliseconds. Its chunks are
+  those blocks, whatever ``chunk_tokens`` says (a warning says so when one was given).
 Optional on any line: ``timestamp`` (seconds, or an ISO-8601 string), ``tenant`` (or ``user``),
 ``model``, ``output_length`` | ``output_tokens``. A malformed line raises :class:`LogError`
 naming the file, the line number and what is wrong.
@@ -16,8 +18,12 @@ namespace per model, and per tenant with ``isolate_tenants`` as a salted deploym
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import logging
+import math
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -36,6 +42,8 @@ MOONCAKE_BLOCK_TOKENS = 512
 #: Tokens of each prompt kept for breaker detection and display.
 DEFAULT_HEAD_TOKENS = 4096
 Encoder = Callable[[list[str]], list[list[int]]]
+DEFAULT_CHUNK_TOKENS = 256  # kvtier's
+log = logging.getLogger(__name__)
 
 
 class LogError(ValueError):
@@ -64,7 +72,12 @@ def _messages_text(tokenizer: Any, messages: Any, where: str) -> str:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise LogError(f"{where}: 'messages' must be a list of {{role, content}} objects")
     if getattr(tokenizer, "chat_template", None):
-        return str(tokenizer.apply_chat_template(messages, tokenize=False))
+        import jinja2  # transformers' own dependency, present whenever a tokenizer is
+
+        try:
+            return str(tokenizer.apply_chat_template(messages, tokenize=False))
+        except jinja2.TemplateError as exc:  # e.g. raise_exception() on non-alternating roles
+            raise LogError(f"{where}: the tokenizer's chat template rejects these messages: {exc}") from None
     return "".join(f"<|{m.get('role', '')}|>\n{m.get('content', '')}\n" for m in messages)
 
 
@@ -74,38 +87,62 @@ def _timestamp(value: Any, scale: float, where: str) -> float | None:
     if isinstance(value, bool):
         raise LogError(f"{where}: 'timestamp' must be a number or an ISO-8601 string")
     if isinstance(value, (int, float)):
-        return float(value) * scale
+        try:
+            seconds = float(value) * scale
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+        # NaN/Infinity (Python's json reads them) would turn the durations and rates into NaN.
+        if not math.isfinite(seconds):
+            raise LogError(f"{where}: 'timestamp' {value!r} is not a finite number")
+        return seconds
     if isinstance(value, str):
         try:
             return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
+        except (ValueError, OverflowError):
             raise LogError(f"{where}: 'timestamp' {value!r} is not ISO-8601") from None
     raise LogError(f"{where}: 'timestamp' must be a number or an ISO-8601 string")
 
 
-def _int_list(value: Any, name: str, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+def _int_list(value: Any, name: str, where: str, bits: int) -> list[int]:
+    """``value`` as a list of integers in [0, 2**bits): token ids are uint32, Mooncake hash ids
+    8 key bytes; a larger one would fail deep in the keying with no line to name."""
+    if not isinstance(value, list):
         raise LogError(f"{where}: {name!r} must be a list of non-negative integers")
+    limit = 1 << bits
+    for i, v in enumerate(value):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+            raise LogError(f"{where}: {name!r} must be a list of non-negative integers below "
+                           f"2**{bits}; item {i} is {v!r:.40}")
     return value
 
 
 def json_lines(path: Path, progress: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) per non-blank line of a JSONL file; :class:`LogError` naming the
-    file and line for one that is not a JSON object."""
-    size = path.stat().st_size
-    with path.open("rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="read",
-                                    disable=not progress, leave=False) as bar:
-        for lineno, raw in enumerate(f, 1):
-            bar.update(len(raw))
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise LogError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
-            if not isinstance(obj, dict):
-                raise LogError(f"{path}:{lineno}: each line must be a JSON object")
-            yield lineno, obj
+    """(line number, object) per non-blank line of a JSONL file, gzip-compressed or not;
+    :class:`LogError` naming the file and line for one that is not a JSON object."""
+    with path.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"  # the gzip magic, whatever the file's name
+    # A gzip stream's uncompressed size is not known up front: the bar then only counts.
+    total = None if gzipped else path.stat().st_size
+    lineno = 0
+    with (gzip.open(path, "rb") if gzipped else path.open("rb")) as f, \
+            tqdm(total=total, unit="B", unit_scale=True, desc="read", disable=not progress, leave=False) as bar:
+        try:
+            for lineno, raw in enumerate(f, 1):
+                bar.update(len(raw))
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except UnicodeDecodeError as exc:
+                    raise LogError(f"{path}:{lineno}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                                   f"at column {exc.start + 1})") from None
+                except json.JSONDecodeError as exc:
+                    raise LogError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+                if not isinstance(obj, dict):
+                    raise LogError(f"{path}:{lineno}: each line must be a JSON object")
+                yield lineno, obj
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # a corrupt or truncated .gz
+            raise LogError(f"{path}:{lineno + 1}: cannot decompress: {exc}") from None
 
 
 class _Keyer:
@@ -129,7 +166,7 @@ class _Keyer:
         return tuple(chunk_keys(self.namespace(model, tenant), tokens, self.chunk_tokens))
 
 
-def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256,
+def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int | None = None,
              head_tokens: int = DEFAULT_HEAD_TOKENS, keep_heads: int = 3000,
              isolate_tenants: bool = False, progress: bool = False) -> Log:
     """Read ``path``; see the module docstring for the accepted lines. Formats may not be mixed.
@@ -138,15 +175,19 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
     requests, evenly spread over the log (every ``stride``-th request; the stride doubles as
     the log grows), so memory stays bounded on long logs.
 
+    ``chunk_tokens``: tokens per chunk (default 256, kvtier's); a Mooncake trace keeps its
+    512-token blocks, with a warning when ``chunk_tokens`` was given otherwise.
+
     ``tokenizer`` (see :func:`load_tokenizer`) is needed only for text lines. Raises
     :class:`LogError` for a missing file, a malformed line, or an empty log.
     """
     p = Path(path)
     if not p.is_file():
         raise LogError(f"log {str(p)!r}: no such file")
-    if chunk_tokens < 1:
-        raise LogError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
-    keyer = _Keyer(chunk_tokens, isolate_tenants)
+    chunk = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    if chunk < 1:
+        raise LogError(f"--chunk-tokens must be >= 1, got {chunk}")
+    keyer = _Keyer(chunk, isolate_tenants)
     source = ""
     pending: list[tuple[int, str, dict[str, Any]]] = []  # text lines, tokenized in batches
     requests: list[Request] = []
@@ -167,7 +208,7 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
         keys = keyer.keys(tokens, m["model"], m["tenant"])
         i = len(requests)
         head = np.asarray(tokens[:head_tokens], dtype=np.uint32) if i % stride == 0 else None
-        requests.append(Request(i, keys, len(tokens), chunk_tokens, head=head, **m))
+        requests.append(Request(i, keys, len(tokens), chunk, head=head, **m))
         kept += head is not None
         if kept > 2 * max(1, keep_heads):  # thin the sample: keep every other kept head
             stride *= 2
@@ -197,7 +238,7 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
         source = kind
         if kind == "mooncake":
             m = meta(obj, where, 1e-3)
-            ids = _int_list(obj["hash_ids"], "hash_ids", where)
+            ids = _int_list(obj["hash_ids"], "hash_ids", where, 64)
             n = obj.get("input_length", len(ids) * MOONCAKE_BLOCK_TOKENS)
             if not isinstance(n, int) or not (len(ids) - 1) * MOONCAKE_BLOCK_TOKENS < n <= len(ids) * MOONCAKE_BLOCK_TOKENS:
                 raise LogError(f"{where}: 'input_length' {n!r} does not fit {len(ids)} blocks of {MOONCAKE_BLOCK_TOKENS} tokens")
@@ -206,7 +247,7 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
             requests.append(Request(len(requests), keys, n if ids else 0, MOONCAKE_BLOCK_TOKENS, **m))
         elif kind == "tokens":
             field = next(f for f in TOKEN_FIELDS if f in obj)
-            add_tokens(_int_list(obj[field], field, where), meta(obj, where, 1.0))
+            add_tokens(_int_list(obj[field], field, where, 32), meta(obj, where, 1.0))
         else:
             if tokenizer is None:
                 raise LogError(f"{where}: a text prompt needs --tokenizer DIR (a local tokenizer directory)")
@@ -221,5 +262,8 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int = 256
         flush()
     if not requests:
         raise LogError(f"log {str(p)!r}: no requests")
-    block = MOONCAKE_BLOCK_TOKENS if source == "mooncake" else chunk_tokens
+    block = MOONCAKE_BLOCK_TOKENS if source == "mooncake" else chunk
+    if chunk_tokens is not None and chunk_tokens != block:
+        log.warning("%s: a Mooncake trace's chunks are its %d-token hash blocks; --chunk-tokens %d "
+                    "is not used", p, block, chunk_tokens)
     return Log(str(p), source, tuple(requests), block)
