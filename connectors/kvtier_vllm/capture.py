@@ -61,8 +61,10 @@ class StepCapture:
             self._error(exc)
 
     def end(self, saves: Sequence[SaveSpec], short: set[str]) -> None:
-        """End the step's capture; jobs of requests in ``short`` (their sync load failed, so
-        their KV was computed over bad blocks) are dropped."""
+        """End the step's capture. When ``short`` names any request (its sync load failed),
+        every job of the step is dropped, not only that request's: vLLM puts a request's
+        blocks in its prefix cache when they are allocated, so another request of the same
+        step may have hit the unrestored blocks and computed its KV over them."""
         jobs, self._jobs = self._jobs, []
         failed, self._failed = self._failed, False
         try:
@@ -86,7 +88,7 @@ class StepCapture:
             return
         for job in jobs:
             job.fence = fence
-            if failed or job.spec.req_id in short:
+            if failed or short:
                 job.dropped = True
             self.saver.submit(job)
 

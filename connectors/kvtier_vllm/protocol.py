@@ -56,6 +56,7 @@ class KVTierMetadata(KVConnectorMetadata):
     dropped: list[str] = field(default_factory=list)
     step_tokens: int = 0       # tokens this step computes (the worker times its prefill rate)
     skipped_tokens: int = 0    # hit tokens the scheduler left to recompute for speed
+    step: int = 0              # this step's number, echoed in KVTierWorkerMeta.failed_steps
 
 
 @dataclass
@@ -77,11 +78,15 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
 
     loads: dict[str, LoadOutcome] = field(default_factory=dict)
     events: EventBatch | None = None  # KV events (events.py); only rank 0 reports them
+    # Steps whose sync load fell short: every save of such a step was dropped, since vLLM's
+    # prefix cache may have let any request of the step compute over the unrestored blocks.
+    failed_steps: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTierWorkerMeta):
             return self
-        out = KVTierWorkerMeta(dict(self.loads), self.events or other.events)
+        out = KVTierWorkerMeta(dict(self.loads), self.events or other.events,
+                               sorted(set(self.failed_steps) | set(other.failed_steps)))
         for req_id, o in other.loads.items():
             mine = out.loads.get(req_id)
             # A prefix is only as good as its worst shard.

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FAST_TIERS = frozenset({"cpu", "memory", "gpu"})
+STEPS_REMEMBERED = 8  # steps whose saves can still be replanned (feedback lags by 1-2 steps)
 
 
 class SchedulerSide:
@@ -58,6 +59,10 @@ class SchedulerSide:
         self._pending: set[str] = set()  # requests with a planned load not yet sent
         self._dropped: list[str] = []
         self._skipped = 0  # skipped tokens committed since the last metadata
+        self._step = 0
+        # Per recent step, what its saves moved: request -> (saved_upto before the step, the
+        # partial ends it planned), so a step whose saves a worker dropped is planned again.
+        self._step_saves: dict[int, dict[str, tuple[int, list[int]]]] = {}
         self.stats = StatsCollector()
         # KV events (events.py): chunk descriptions taken while requests are alive.
         self.events = EventTracker(
@@ -203,14 +208,25 @@ class SchedulerSide:
             gone = self._reqs.get(req_id)
             if gone is not None:
                 gone.block_ids, gone.match, gone.seen = [], None, False
+        self._step += 1
+        meta.step = self._step
         if self.settings.save:
+            marks: dict[str, tuple[int, list[int]]] = {}
             for req_id, n in so.num_scheduled_tokens.items():
                 cur = self._reqs.get(req_id)
                 if cur is not None:
+                    before = cur.saved_upto
                     spec = self._plan_save(cur, n, block_state)
                     if spec is not None:
                         meta.saves.append(spec)
-                    meta.saves.extend(self._plan_partials(cur, n, block_state))
+                    partials = self._plan_partials(cur, n, block_state)
+                    meta.saves.extend(partials)
+                    if spec is not None or partials:
+                        marks[req_id] = (before, [len(p.tokens) // 4 for p in partials])
+            if marks:
+                self._step_saves[self._step] = marks
+            while len(self._step_saves) > STEPS_REMEMBERED:
+                del self._step_saves[next(iter(self._step_saves))]
         meta.dropped, self._dropped = self._dropped, []
         meta.skipped_tokens, self._skipped = self._skipped, 0
         meta.step_tokens = sum(so.num_scheduled_tokens.values())
@@ -315,8 +331,22 @@ class SchedulerSide:
                 # Re-save what vLLM now recomputes (the bad chunk was deleted from the store).
                 st.saved_upto = min(st.saved_upto, o.ok_end // self.chunk * self.chunk)
                 st.hit_tokens -= o.end - o.ok_end
+        for step in wm.failed_steps:
+            self._replan_saves(step)
         if self.events is not None and wm.events is not None:
             self.events.feed(wm.events)
+
+    def _replan_saves(self, step: int) -> None:
+        """A worker dropped every save of ``step`` (a load in it fell short): plan them again,
+        so the chunks vLLM now recomputes over good blocks are saved after all."""
+        for req_id, (before, partial_ends) in self._step_saves.pop(step, {}).items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            st.saved_upto = min(st.saved_upto, before)
+            for end in partial_ends:
+                st.partial_saved.discard(end)
+                st.partial_ends.add(end)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

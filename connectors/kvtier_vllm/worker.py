@@ -73,6 +73,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._errors: set[int] = set()
         self._outcomes: dict[str, LoadOutcome] = {}
+        self._failed_steps: list[int] = []  # steps whose saves were dropped (see end_step)
         self.events: WorkerEvents | None = None  # KV events (rank 0, when vLLM publishes them)
         self._run: LayerRun | None = None
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
@@ -351,7 +352,12 @@ class WorkerSide:
             return
         self.costs.step_end(time.perf_counter(), measured=self._run is None)  # a restore wait is no prefill
         short = self._finish_sync_run()
-        self.capture.end(meta.saves if meta is not None else [], short)
+        saves = meta.saves if meta is not None else []
+        self.capture.end(saves, short)
+        if short and saves and meta is not None:  # dropped: the scheduler plans them again
+            self._failed_steps.append(meta.step)
+            log.warning("kvtier: a load of step %d fell short; its %d save(s) are dropped",
+                        meta.step, len(saves))
 
     # --- step results -------------------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> set[str]:
@@ -376,9 +382,10 @@ class WorkerSide:
     def worker_meta(self) -> KVTierWorkerMeta | None:
         events = self.events.drain() if self.events is not None else None
         loads, self._outcomes = self._outcomes, {}
-        if not loads and events is None:
+        failed, self._failed_steps = self._failed_steps, []
+        if not loads and events is None and not failed:
             return None
-        return KVTierWorkerMeta(loads, events)
+        return KVTierWorkerMeta(loads, events, failed)
 
     def take_stats(self) -> KVTierStats | None:
         return self.stats.take()
