@@ -102,3 +102,5 @@ def test_vllm_engine_revision(tmp_path: Path) -> None:
     assert engine_revision(SimpleNamespace(model="org/name", revision="abc", hf_overrides={})) == "abc"
     over = engine_revision(SimpleNamespace(model="org/name", revision="abc", hf_overrides={"rope_parameters": ROPE}))
     assert over.startswith("abc+cfg=")
+    quant = SimpleNamespace(model="org/name", revision="abc", hf_overrides={}, quantization="fp8")
+    assert engine_revision(quant) == "abc+quant=fp8"

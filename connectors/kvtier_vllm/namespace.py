@@ -47,10 +47,14 @@ def engine_revision(model_config: Any) -> str:
     ``revision``, else, for a model loaded from a local directory, a fingerprint of its files
     (kvtier.checkpoint: a checkpoint saved again into the same directory must not be served
     its predecessor's K/V; transformers computes the same one for the same directory); plus
-    ``+cfg=`` of ``hf_overrides`` when the engine overrides the saved config (other K/V)."""
+    ``+quant=`` of vLLM's ``quantization`` and ``+cfg=`` of ``hf_overrides`` when the engine
+    overrides the saved config (other K/V)."""
     revision = str(getattr(model_config, "revision", None) or "")
     if not revision:
         revision = checkpoint_revision(str(getattr(model_config, "model", "") or "")) or ""
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:  # --quantization: other weights in the same files, other KV
+        revision += f"+quant={quantization}"
     overrides = getattr(model_config, "hf_overrides", None)
     if overrides:
         named = (f"{overrides.__module__}.{overrides.__qualname__}" if callable(overrides)

@@ -38,6 +38,7 @@ class LookupMatch:
 class RequestState:
     request: Request
     salt: bytes
+    opaque: bool = False  # token ids do not determine its KV (settings.request_salt): hands off
     saved_upto: int = 0
     seen: bool = False                    # first scheduled yet
     match: LookupMatch | None = None

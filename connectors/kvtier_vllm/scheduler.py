@@ -24,7 +24,7 @@ from .ipc import LookupClient, socket_path
 from .partial import agree_on_hit, partial_save_ends
 from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadSpec, SaveSpec
 from .request_state import LookupMatch, RequestState
-from .settings import VllmSettings, namespace_salt
+from .settings import VllmSettings, request_salt
 from .stats import KVTierStats, StatsCollector
 from .usage import SchedulerUsage
 
@@ -75,8 +75,8 @@ class SchedulerSide:
     def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            salt = namespace_salt(self.cfg, getattr(request, "cache_salt", None))
-            st = self._reqs[request.request_id] = RequestState(request, salt)
+            salt = request_salt(self.cfg, request)
+            st = self._reqs[request.request_id] = RequestState(request, salt or b"", opaque=salt is None)
         return st
 
     def on_new_request(self, request: Request) -> None:
@@ -84,7 +84,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        if not self.settings.load:
+        if not self.settings.load or st.opaque:
             return 0, False
         bs, c = self.block_size, self.chunk
         # vLLM must compute at least one token itself (it samples from its logits).
@@ -259,6 +259,8 @@ class SchedulerSide:
 
     def _plan_save(self, st: RequestState, n_sched: int, block_state: Any) -> SaveSpec | None:
         req, c = st.request, self.chunk
+        if st.opaque:
+            return None
         done = min(req.num_computed_tokens + n_sched, req.num_tokens)
         if not self.settings.save_decode:
             done = min(done, req.num_prompt_tokens)
@@ -287,7 +289,7 @@ class SchedulerSide:
     def _plan_partials(self, st: RequestState, n_sched: int, block_state: Any) -> list[SaveSpec]:
         """Partial chunks (partial.py) of ``st`` computed by the end of this step: the prompt's
         block-aligned end and a local prefix-cache hit's end, each saved once."""
-        if not self.settings.save_partial:
+        if not self.settings.save_partial or st.opaque:
             return []
         req, c, bs = st.request, self.chunk, self.block_size
         done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)

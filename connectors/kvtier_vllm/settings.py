@@ -9,6 +9,7 @@ and ``config_file`` names an optional YAML file). Every invalid value raises
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,3 +117,19 @@ def namespace_salt(cfg: KVTierConfig, cache_salt: str | None) -> bytes:
     if not tenant:
         return secret
     return tenant_salt(secret, tenant) if secret else tenant.encode()
+
+
+def request_salt(cfg: KVTierConfig, request: Any) -> bytes | None:
+    """The salt of ``request``'s chunks: :func:`namespace_salt` of its ``cache_salt``, extended
+    by its LoRA adapter (name and path, as vLLM's own block hashes take them: an adapter's KV
+    is not the base model's, nor another adapter's). None when token ids do not determine the
+    request's KV at all (multimodal inputs, prompt embeddings, whose token ids vLLM sets to
+    placeholders): such a request is neither looked up nor saved."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    salt = namespace_salt(cfg, getattr(request, "cache_salt", None))
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return salt
+    adapter = f"{lora.lora_name}\0{getattr(lora, 'lora_path', '') or ''}".encode()
+    return hashlib.sha256(b"kvtier/lora\0" + adapter + b"\0" + salt).digest()

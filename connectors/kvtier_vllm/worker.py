@@ -20,6 +20,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -61,6 +62,7 @@ from .threads import background_pinner, log_failure, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
+TENANT_CACHES = 1024  # PrefixCaches kept (per tenant salt), least recently used dropped first
 
 
 class WorkerSide:
@@ -69,7 +71,9 @@ class WorkerSide:
         self.chunk = cfg.chunk_tokens
         self.stats = StatsCollector()
         self.enabled = False
-        self._caches: dict[bytes, PrefixCache] = {}
+        # Per tenant salt, most recent last; bounded, since cache_salt may be per user or per
+        # conversation (a PrefixCache is cheap to make again; it holds no chunk state).
+        self._caches: OrderedDict[bytes, PrefixCache] = OrderedDict()
         self._lock = threading.Lock()
         self._errors: set[int] = set()
         self._outcomes: dict[str, LoadOutcome] = {}
@@ -167,6 +171,10 @@ class WorkerSide:
             cache = self._caches.get(salt)
             if cache is None:
                 cache = self._caches[salt] = tenant_cache(self.store, self.cfg, self.base_spec, salt)
+                if len(self._caches) > TENANT_CACHES:
+                    self._caches.popitem(last=False)
+            else:
+                self._caches.move_to_end(salt)
             return cache
 
     # --- loads ------------------------------------------------------------------------------------------
