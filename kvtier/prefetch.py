@@ -240,21 +240,55 @@ def _guarded(fn: Callable[[], LoadedRange]) -> LoadedRange:
         return LoadedRange(0, 1, reason="error")
 
 
+class Cancelled(Exception):
+    """Raised inside a :class:`LayerRun` that its owner gave up on (:meth:`LayerRun.cancel`)."""
+
+
 class LayerRun:
-    """Progress of one ``LayerPipeline`` run: ``wait(i)`` returns once layer ``i`` is done."""
+    """Progress of one ``LayerPipeline`` run: ``wait(i)`` returns once layer ``i`` is done.
+
+    Cancellation (a forward pass that will not wait any longer): after :meth:`cancel` returns,
+    no step of the run is running or will start, and whatever ``before`` still does must go
+    through :meth:`guard` to touch shared state, so a load stuck in the store can never write
+    into the engine's memory once its owner moved on."""
 
     def __init__(self, layers: int) -> None:
         self.layers = layers
         self._events = [threading.Event() for _ in range(layers)]
         self._finished = threading.Event()
+        self._guard = threading.Lock()
+        self.cancelled = False
         self.error: BaseException | None = None
         self.failed_from: int | None = None  # first layer that did not complete
+
+    def guard(self) -> _Guard:
+        """``with run.guard():`` runs its body only if the run is not cancelled (raises
+        :class:`Cancelled` otherwise), and :meth:`cancel` waits for the body to end."""
+        return _Guard(self)
+
+    def cancel(self) -> None:
+        """Give up on the run: waiters are released (as failed) and no step runs from now on."""
+        with self._guard:
+            self.cancelled = True
+            first = next((i for i, ev in enumerate(self._events) if not ev.is_set()), self.layers)
+            if self.failed_from is None or first < self.failed_from:
+                self.failed_from = first
+            for ev in self._events[first:]:
+                ev.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
 
     def wait(self, layer: int, timeout: float | None = None) -> bool:
         """True when layer ``layer`` was restored; False if it failed or ``timeout`` passed."""
         if not self._events[layer].wait(timeout):
             return False
         return self.failed_from is None or layer < self.failed_from
+
+    def reached(self, layer: int) -> bool:
+        """Layer ``layer`` is restored, failed or given up on (a ``wait`` would not block)."""
+        return self._events[layer].is_set()
 
     def join(self, timeout: float | None = None) -> bool:
         return self._finished.wait(timeout)
@@ -264,9 +298,25 @@ class LayerRun:
         return self._finished.is_set() and self.failed_from is None
 
     def _fail(self, layer: int, exc: BaseException) -> None:
-        self.error, self.failed_from = exc, layer
+        self.error = exc
+        if self.failed_from is None or layer < self.failed_from:
+            self.failed_from = layer
         for ev in self._events[layer:]:
             ev.set()
+
+
+class _Guard:
+    def __init__(self, run: LayerRun) -> None:
+        self._run = run
+
+    def __enter__(self) -> None:
+        self._run._guard.acquire()
+        if self._run.cancelled:
+            self._run._guard.release()
+            raise Cancelled("the run was cancelled")
+
+    def __exit__(self, *exc: object) -> None:
+        self._run._guard.release()
 
 
 _Item = tuple[LayerRun, Callable[[int], None], Callable[[], None] | None]
@@ -301,8 +351,11 @@ class LayerPipeline:
                 if before is not None:
                     before()
                 for layer in range(run.layers):
-                    step(layer)
-                    run._events[layer].set()
+                    with run.guard():
+                        step(layer)
+                        run._events[layer].set()
+            except Cancelled:
+                log.debug("layer restore cancelled before layer %d", layer)
             except Exception as exc:  # noqa: BLE001 - any failure must release the waiters
                 log.warning("layer restore failed at layer %d: %s", layer, exc)
                 run._fail(layer, exc)

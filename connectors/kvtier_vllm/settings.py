@@ -43,6 +43,9 @@ class VllmSettings:
     # load adds (it waits in WAITING_FOR_REMOTE_KVS for at least two more engine steps).
     async_load: str = field(default="auto", metadata={"choices": ("auto", "always", "never")})
     async_min_load_s: float = field(default=0.01, metadata=_rng(0, 3600))
+    # A synchronous restore not done this long after its step began is given up (its blocks
+    # reported failed, vLLM recomputes): a stalled store must never hold the forward pass.
+    sync_load_timeout_s: float = field(default=2.0, metadata=_rng(0.01, 3600))
     prefetch: bool = True               # start loading at lookup time
     # "auto": load only the leading part of a hit estimated faster to load than to recompute
     # (per-tier bandwidth and fixed cost, and the engine's prefill rate, measured online:

@@ -32,7 +32,7 @@ from kvtier.cache import PrefixCache
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
-from kvtier.prefetch import LayerPipeline, LayerRun, LoadedRange, Prefetcher
+from kvtier.prefetch import Cancelled, LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, detect_layout, heads_dim, kv_views
@@ -78,6 +78,9 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._outcomes: dict[str, LoadOutcome] = {}
         self._failed_steps: list[int] = []  # steps whose saves were dropped (see end_step)
+        self._short_now: set[str] = set()  # this step's sync loads failed without a run
+        self._stalled: LayerRun | None = None  # a run given up on while still in the store
+        self._deadline = 0.0  # when this step's sync restore is given up
         self.events: WorkerEvents | None = None  # KV events (rank 0, when vLLM publishes them)
         self._run: LayerRun | None = None
         self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
@@ -251,21 +254,38 @@ class WorkerSide:
             return
         if self._run is not None:  # never expected: wait_for_save ends every step
             self._finish_sync_run()
+        if self._stalled is not None and not self._stalled.finished:
+            # The layer thread is still inside a store read an earlier step gave up on: these
+            # loads would queue behind it. Recompute them now instead of waiting again.
+            for spec in sync:
+                self._record(spec.req_id, LoadOutcome(spec.start, spec.end, spec.start, {}, "timeout"),
+                             spec.block_ids)
+                self._short_now.add(spec.req_id)
+            return
+        self._stalled = None
         plan: list[RestorePlan] = []
-        self._run_specs = []
+        specs_done: list[tuple[LoadSpec, LoadOutcome]] = []
+        self._run_specs = specs_done
         slots: list[int] = []
         self._run_slots = slots  # back to the pool once finish_restore's fence completed
+        box: list[LayerRun] = []
 
-        def before() -> None:
+        def before() -> None:  # on the layer thread; after a cancel, touches nothing shared
             items: list[RestoreItem] = []
             for spec in sync:
                 res = self._fetch(spec)
-                slots.extend(self.restore_bufs.slots(res))
+                try:
+                    with box[0].guard():
+                        slots.extend(self.restore_bufs.slots(res))
+                except Cancelled:
+                    self.restore_bufs.release(res)
+                    raise
                 spec_items, outcome = self._plan(spec, res)
                 items.extend(spec_items)
-                self._run_specs.append((spec, outcome))
-            plan.append(self.copier.prepare_restore(items))  # one block index for the step
-            self._t_fetched = time.perf_counter()
+                specs_done.append((spec, outcome))
+            with box[0].guard():
+                plan.append(self.copier.prepare_restore(items))  # one block index for the step
+                self._t_fetched = time.perf_counter()
 
         def step(layer: int) -> None:
             self.copier.restore_layer(self.views[layer], layer, plan[0])
@@ -274,7 +294,9 @@ class WorkerSide:
         self._t_load = self._t_fetched = self._t_restored = time.perf_counter()
         self._waited = 0.0
         self.copier.begin_restore(len(self.names))
+        self._deadline = self._t_load + self.settings.sync_load_timeout_s
         self._run = self.pipeline.start(len(self.names), step, before)
+        box.append(self._run)
         self._sync_specs = sync
 
     def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
@@ -302,7 +324,11 @@ class WorkerSide:
         if run is None or layer is None:
             return
         t0 = time.perf_counter()
-        run.wait(layer)
+        if not run.wait(layer, max(0.0, self._deadline - t0)) and not run.reached(layer):
+            # The store is stalled: give up (vLLM recomputes) rather than hold the forward pass.
+            run.cancel()
+            log.warning("kvtier: sync restore not done %.2f s after it started (sync_load_timeout_s);"
+                        " giving it up, vLLM recomputes", self.settings.sync_load_timeout_s)
         self._waited += time.perf_counter() - t0
         self.copier.layer_ready(layer)
 
@@ -311,7 +337,9 @@ class WorkerSide:
         run, self._run = self._run, None
         if run is None:
             return set()
-        run.join()
+        if not run.join(max(0.0, self._deadline - time.perf_counter())):
+            run.cancel()  # no step runs from here on; a read still in the store finishes alone
+            self._stalled = run
         fence = self.copier.finish_restore()
         self.restore_bufs.release_after(self._run_slots, fence)
         self._run_slots = []
@@ -324,7 +352,8 @@ class WorkerSide:
         for spec in self._sync_specs:
             outcome = done.get(spec.req_id) or LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
             if not run.ok:
-                outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+                outcome = LoadOutcome(spec.start, spec.end, spec.start, {},
+                                      "timeout" if run.cancelled else "error")
             outcome.seconds = seconds
             self._record(spec.req_id, outcome, self._failed_blocks(spec, outcome))
             if outcome.ok_end < spec.end:
@@ -359,7 +388,8 @@ class WorkerSide:
         if not self.enabled:
             return
         self.costs.step_end(time.perf_counter(), measured=self._run is None)  # a restore wait is no prefill
-        short = self._finish_sync_run()
+        short = self._finish_sync_run() | self._short_now
+        self._short_now = set()
         saves = meta.saves if meta is not None else []
         self.capture.end(saves, short)
         if short and saves and meta is not None:  # dropped: the scheduler plans them again
