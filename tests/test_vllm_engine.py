@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.checkpoint import checkpoint_revision
 from kvtier.chunk import HEADER_SIZE
 from kvtier.keys import KVLayout, NamespaceSpec, chunk_keys
 from tests.kvtier_servers import ServerProc, start_server
@@ -242,8 +243,10 @@ def test_server_killed_mid_run_requests_still_complete(cluster: Cluster) -> None
 def _chunk_file(cluster: Cluster, tokens: list[int], index: int) -> Path:
     # The disk tier names each file by its kvtier key: the connector's keys are kvtier's own,
     # deterministic ones (model id, revision, dtype, layout, rank, salt), not vLLM's hashes.
+    # A local checkpoint names no revision: its files' fingerprint is the revision.
     spec = NamespaceSpec(model_id=cluster.model, layout=KVLayout(SPEC.num_layers,
-                         SPEC.num_kv_heads, SPEC.head_dim, CHUNK), kv_dtype="float32")
+                         SPEC.num_kv_heads, SPEC.head_dim, CHUNK), kv_dtype="float32",
+                         model_revision=checkpoint_revision(cluster.model) or "")
     key = chunk_keys(spec.namespace_id(), tokens, CHUNK, include_partial=False)[index].hex()
     return cluster.disk / key[:2] / f"{key}.kvc"
 

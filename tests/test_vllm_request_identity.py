@@ -73,11 +73,11 @@ def test_lora_adapters_and_prompt_embeddings_never_share_chunks(tmp_path: Path) 
 
 
 def test_per_tenant_caches_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier_vllm import worker as worker_module
+    from kvtier_vllm import namespace as namespace_module
 
     from tests.test_vllm_connector_flow import _halves
 
-    monkeypatch.setattr(worker_module, "TENANT_CACHES", 8)
+    monkeypatch.setattr(namespace_module, "TENANT_CACHES", 8)
     sched, worker, _ = _halves(tmp_path)
     try:
         first = worker.cache_for(b"tenant-0")

@@ -93,3 +93,47 @@ def test_saves_of_a_step_with_a_failed_load_are_dropped_then_saved_again(tmp_pat
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+def test_a_step_another_rank_failed_is_purged_here_and_saved_again(tmp_path: Path) -> None:
+    """Tensor parallel: this rank's load succeeded, another rank's failed (aggregated by vLLM
+    into failed_steps). What this rank saved in that step was computed over the other rank's
+    bad blocks (the all-reduce mixes them in), so it is deleted, and saved again later."""
+    from kvtier_vllm.protocol import KVTierWorkerMeta
+
+    from tests.test_vllm_connector_flow import C, _fill, _halves, _run_step, _wait_saved
+    from tests.vllm_halves import fake_request, scheduler_output
+
+    sched, worker, caches = _halves(tmp_path)
+    try:
+        tokens = list(range(3, 3 + 3 * C + 1))
+        r = fake_request("r", tokens)
+        sched.get_num_new_matched_tokens(r, 0)
+        blocks = list(range(20, 27))
+        meta, _, _ = _run_step(sched, worker, scheduler_output([(r, blocks, 0)], {"r": len(tokens)}),
+                               caches, _fill(blocks, 7))
+        _wait_saved(worker, 3)
+        keys = worker.cache_for(b"").keys(tokens, full_chunks_only=True)
+        assert worker.store.tiers[0].contains(keys) == 3
+        # The other rank's report, as vLLM aggregates it with this rank's (empty) one.
+        sched.update_connector_output(SimpleNamespace(
+            finished_recving=set(), kv_connector_worker_meta=KVTierWorkerMeta(failed_steps=[meta.step])))
+        # vLLM rewinds r and recomputes it over good blocks in the next step.
+        r.num_computed_tokens = 0
+        cached = SimpleNamespace(req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None])
+        so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                             num_scheduled_tokens={"r": len(tokens)}, preempted_req_ids=set(),
+                             kv_connector_block_state=None)
+        worker.saver.after_queued(lambda: time.sleep(0.3))  # hold the saver: the purge must wait
+        purge_meta = sched.build_connector_meta(so)
+        assert purge_meta.purge_steps == [meta.step]
+        assert [(s.start_chunk, s.end_chunk) for s in purge_meta.saves] == [(0, 3)]  # replanned
+        worker.start_load(purge_meta)
+        assert worker.store.tiers[0].contains(keys) == 3  # not before the step's queued saves are done
+        deadline = time.monotonic() + 10
+        while worker.store.tiers[0].contains(keys[:1]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.store.tiers[0].contains(keys[:1]) == 0  # purged: never served from this rank
+    finally:
+        worker.shutdown()
+        sched.shutdown()

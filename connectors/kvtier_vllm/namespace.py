@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,3 +93,30 @@ def tenant_cache(store: TieredStore, cfg: KVTierConfig, base: NamespaceSpec, sal
     tenant = hashlib.sha256(salt).hexdigest()[:12] if salt else ""
     return PrefixCache(store, spec, codec=cfg.codec, shuffle=cfg.shuffle, tenant=tenant,
                        key_schema=cfg.key_schema, page_seed=(salt or None) if x1 else None)
+
+
+TENANT_CACHES = 1024  # PrefixCaches kept (per tenant salt), least recently used dropped first
+
+
+class TenantCaches:
+    """A worker's PrefixCache per tenant salt, most recently used kept: bounded, since
+    ``cache_salt`` may be per user or per conversation (a PrefixCache is cheap to make again:
+    it holds no chunk state). Thread-safe (the forward, saver and prefetch threads ask)."""
+
+    def __init__(self) -> None:
+        self._caches: OrderedDict[bytes, PrefixCache] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, salt: bytes, make: Callable[[], PrefixCache]) -> PrefixCache:
+        with self._lock:
+            cache = self._caches.get(salt)
+            if cache is None:
+                cache = self._caches[salt] = make()
+                if len(self._caches) > TENANT_CACHES:
+                    self._caches.popitem(last=False)
+            else:
+                self._caches.move_to_end(salt)
+            return cache
+
+    def __len__(self) -> int:
+        return len(self._caches)

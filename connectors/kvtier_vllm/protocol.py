@@ -57,6 +57,9 @@ class KVTierMetadata(KVConnectorMetadata):
     step_tokens: int = 0       # tokens this step computes (the worker times its prefill rate)
     skipped_tokens: int = 0    # hit tokens the scheduler left to recompute for speed
     step: int = 0              # this step's number, echoed in KVTierWorkerMeta.failed_steps
+    # Steps some rank reported failed: every rank deletes what it saved in them (a rank whose
+    # own load succeeded still computed over the failed rank's blocks, through the all-reduce).
+    purge_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

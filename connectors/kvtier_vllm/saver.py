@@ -71,7 +71,7 @@ class Saver:
         self._chunk = chunk
         self._stats, self._cmetrics = stats, cmetrics
         self._depth = depth
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[SaveJob | Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, args=(thread_init,), name="kvtier-saver",
                                         daemon=True)
         self._thread.start()
@@ -85,6 +85,11 @@ class Saver:
             job.dropped = True
         self._queue.put_nowait(job)
         return not job.dropped
+
+    def after_queued(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the saver thread once every job queued before it was written (or
+        dropped): what must follow those writes (a purge of their keys) cannot overtake them."""
+        self._queue.put_nowait(fn)
 
     def count_dropped(self, n: int = 1) -> None:
         self._stats.add(save_dropped=n)
@@ -101,6 +106,12 @@ class Saver:
             job = self._queue.get()
             if job is None:
                 return
+            if not isinstance(job, SaveJob):
+                try:
+                    job()
+                except Exception as exc:  # as for a job: the thread must outlive it
+                    log_failure(log, "a task after the queued saves", exc)
+                continue
             try:
                 assert job.fence is not None
                 job.fence.wait()

@@ -63,6 +63,7 @@ class SchedulerSide:
         # Per recent step, what its saves moved: request -> (saved_upto before the step, the
         # partial ends it planned), so a step whose saves a worker dropped is planned again.
         self._step_saves: dict[int, dict[str, tuple[int, list[int]]]] = {}
+        self._purge: list[int] = []  # failed steps the workers are still to purge
         self.stats = StatsCollector()
         # KV events (events.py): chunk descriptions taken while requests are alive.
         self.events = EventTracker(
@@ -210,6 +211,7 @@ class SchedulerSide:
                 gone.block_ids, gone.match, gone.seen = [], None, False
         self._step += 1
         meta.step = self._step
+        meta.purge_steps, self._purge = self._purge, []
         if self.settings.save:
             marks: dict[str, tuple[int, list[int]]] = {}
             for req_id, n in so.num_scheduled_tokens.items():
@@ -335,6 +337,7 @@ class SchedulerSide:
                 st.hit_tokens -= o.end - o.ok_end
         for step in wm.failed_steps:
             self._replan_saves(step)
+            self._purge.append(step)
         if self.events is not None and wm.events is not None:
             self.events.feed(wm.events)
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,12 +30,12 @@ from kvtier.cache import PrefixCache
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
-from kvtier.prefetch import Cancelled, LayerPipeline, LayerRun, LoadedRange, Prefetcher
+from kvtier.prefetch import LayerPipeline, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
 
 from .blocks import PagedLayout, detect_layout, heads_dim, kv_views
 from .capture import StepCapture
-from .copier import Copier, RestoreItem, RestorePlan
+from .copier import Copier, RestoreItem
 from .devcopier import make_copier
 from .events import WorkerEvents
 from .inflight import InflightChunks
@@ -45,7 +43,7 @@ from .ipc import LookupServer, socket_path
 from .loadplan import CostModel
 from .local_probe import held_locally, probes_every_tier
 from .lookups import LookupAnswerer, signature_covers
-from .namespace import EngineInfo, engine_namespace, tenant_cache
+from .namespace import EngineInfo, TenantCaches, engine_namespace, tenant_cache
 from .partial import chunk_tokens_at
 from .protocol import (
     KVTierMetadata,
@@ -58,11 +56,12 @@ from .saver import Saver
 from .settings import VllmSettings
 from .staging import StagingPool
 from .stats import ConnectorMetrics, KVTierStats, StatsCollector
+from .steps import SavedSteps
+from .syncrestore import SyncRestore
 from .threads import background_pinner, log_failure, on_spare_cpus, pin_existing
 
 log = logging.getLogger(__name__)
 _LAYER_NO = re.compile(r"layers\.(\d+)\.")
-TENANT_CACHES = 1024  # PrefixCaches kept (per tenant salt), least recently used dropped first
 
 
 class WorkerSide:
@@ -73,18 +72,12 @@ class WorkerSide:
         self.enabled = False
         # Per tenant salt, most recent last; bounded, since cache_salt may be per user or per
         # conversation (a PrefixCache is cheap to make again; it holds no chunk state).
-        self._caches: OrderedDict[bytes, PrefixCache] = OrderedDict()
-        self._lock = threading.Lock()
+        self._caches = TenantCaches()
         self._errors: set[int] = set()
         self._outcomes: dict[str, LoadOutcome] = {}
-        self._failed_steps: list[int] = []  # steps whose saves were dropped (see end_step)
+        self._steps = SavedSteps()  # what recent steps saved, for a failed step (steps.py)
         self._short_now: set[str] = set()  # this step's sync loads failed without a run
-        self._stalled: LayerRun | None = None  # a run given up on while still in the store
-        self._deadline = 0.0  # when this step's sync restore is given up
         self.events: WorkerEvents | None = None  # KV events (rank 0, when vLLM publishes them)
-        self._run: LayerRun | None = None
-        self._run_specs: list[tuple[LoadSpec, LoadOutcome]] = []
-        self._run_slots: list[int] = []
         self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
         self.inflight = InflightChunks()  # chunk keys being captured or written (capture.py)
 
@@ -159,6 +152,8 @@ class WorkerSide:
         rbytes = self.settings.restore_staging_bytes if restore_bytes is None else restore_bytes
         self.restore_bufs = RestoreBuffers(rbytes, self.chunk_shape,
                                            self.torch_dtype, copier.host_buffer, self._count_pageable)
+        self.sync = SyncRestore(self.pipeline, copier, self.restore_bufs, self.views, self._fetch,
+                                self._plan, self.settings.sync_load_timeout_s)
         self.capture = StepCapture(copier, self.pool, self.saver, self.views, self.chunk,
                                    self.info.block_size, self.stats, self.cache_for, self.inflight,
                                    self._stored_locally)
@@ -170,15 +165,7 @@ class WorkerSide:
         return held_locally(self.store, keys)
 
     def cache_for(self, salt: bytes) -> PrefixCache:
-        with self._lock:
-            cache = self._caches.get(salt)
-            if cache is None:
-                cache = self._caches[salt] = tenant_cache(self.store, self.cfg, self.base_spec, salt)
-                if len(self._caches) > TENANT_CACHES:
-                    self._caches.popitem(last=False)
-            else:
-                self._caches.move_to_end(salt)
-            return cache
+        return self._caches.get(salt, lambda: tenant_cache(self.store, self.cfg, self.base_spec, salt))
 
     # --- loads ------------------------------------------------------------------------------------------
     def _count_pageable(self, n: int) -> None:
@@ -241,6 +228,9 @@ class WorkerSide:
             self.cmetrics.load_skipped_tokens.inc(meta.skipped_tokens)
         if meta.dropped:
             self.prefetcher.discard(meta.dropped)
+        for failed in meta.purge_steps:
+            self._steps.purge(failed, self.saver, lambda: self.store, self.cache_for)
+        self._steps.remember(meta.step, meta.saves)
         if not meta.loads:  # most steps: return before any per-load work
             return
         for spec in meta.loads:
@@ -252,52 +242,15 @@ class WorkerSide:
         sync = [s for s in meta.loads if not s.is_async]
         if not sync:
             return
-        if self._run is not None:  # never expected: wait_for_save ends every step
+        if self.sync.running:  # never expected: wait_for_save ends every step
             self._finish_sync_run()
-        if self._stalled is not None and not self._stalled.finished:
+        if not self.sync.start(sync):
             # The layer thread is still inside a store read an earlier step gave up on: these
             # loads would queue behind it. Recompute them now instead of waiting again.
             for spec in sync:
                 self._record(spec.req_id, LoadOutcome(spec.start, spec.end, spec.start, {}, "timeout"),
                              spec.block_ids)
                 self._short_now.add(spec.req_id)
-            return
-        self._stalled = None
-        plan: list[RestorePlan] = []
-        specs_done: list[tuple[LoadSpec, LoadOutcome]] = []
-        self._run_specs = specs_done
-        slots: list[int] = []
-        self._run_slots = slots  # back to the pool once finish_restore's fence completed
-        box: list[LayerRun] = []
-
-        def before() -> None:  # on the layer thread; after a cancel, touches nothing shared
-            items: list[RestoreItem] = []
-            for spec in sync:
-                res = self._fetch(spec)
-                try:
-                    with box[0].guard():
-                        slots.extend(self.restore_bufs.slots(res))
-                except Cancelled:
-                    self.restore_bufs.release(res)
-                    raise
-                spec_items, outcome = self._plan(spec, res)
-                items.extend(spec_items)
-                specs_done.append((spec, outcome))
-            with box[0].guard():
-                plan.append(self.copier.prepare_restore(items))  # one block index for the step
-                self._t_fetched = time.perf_counter()
-
-        def step(layer: int) -> None:
-            self.copier.restore_layer(self.views[layer], layer, plan[0])
-            self._t_restored = time.perf_counter()
-
-        self._t_load = self._t_fetched = self._t_restored = time.perf_counter()
-        self._waited = 0.0
-        self.copier.begin_restore(len(self.names))
-        self._deadline = self._t_load + self.settings.sync_load_timeout_s
-        self._run = self.pipeline.start(len(self.names), step, before)
-        box.append(self._run)
-        self._sync_specs = sync
 
     def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
         t0 = time.perf_counter()
@@ -319,42 +272,14 @@ class WorkerSide:
         return list(spec.block_ids[(outcome.ok_end - spec.start) // self.info.block_size:])
 
     def wait_layer(self, layer_name: str) -> None:
-        run = self._run
         layer = self.index.get(layer_name)
-        if run is None or layer is None:
-            return
-        t0 = time.perf_counter()
-        if not run.wait(layer, max(0.0, self._deadline - t0)) and not run.reached(layer):
-            # The store is stalled: give up (vLLM recomputes) rather than hold the forward pass.
-            run.cancel()
-            log.warning("kvtier: sync restore not done %.2f s after it started (sync_load_timeout_s);"
-                        " giving it up, vLLM recomputes", self.settings.sync_load_timeout_s)
-        self._waited += time.perf_counter() - t0
-        self.copier.layer_ready(layer)
+        if layer is not None:
+            self.sync.wait(layer)
 
     def _finish_sync_run(self) -> set[str]:
         """Join this step's restore; returns the requests whose load fell short."""
-        run, self._run = self._run, None
-        if run is None:
-            return set()
-        if not run.join(max(0.0, self._deadline - time.perf_counter())):
-            run.cancel()  # no step runs from here on; a read still in the store finishes alone
-            self._stalled = run
-        fence = self.copier.finish_restore()
-        self.restore_bufs.release_after(self._run_slots, fence)
-        self._run_slots = []
-        log.debug("kvtier: sync restore of %d request(s): fetched at %.1f ms, restored at %.1f ms, "
-                  "forward waited %.1f ms", len(self._sync_specs), 1e3 * (self._t_fetched - self._t_load),
-                  1e3 * (self._t_restored - self._t_load), 1e3 * self._waited)
-        seconds = self._t_restored - self._t_load
         short: set[str] = set()
-        done = {spec.req_id: outcome for spec, outcome in self._run_specs}
-        for spec in self._sync_specs:
-            outcome = done.get(spec.req_id) or LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
-            if not run.ok:
-                outcome = LoadOutcome(spec.start, spec.end, spec.start, {},
-                                      "timeout" if run.cancelled else "error")
-            outcome.seconds = seconds
+        for spec, outcome in self.sync.finish():
             self._record(spec.req_id, outcome, self._failed_blocks(spec, outcome))
             if outcome.ok_end < spec.end:
                 short.add(spec.req_id)
@@ -387,13 +312,13 @@ class WorkerSide:
         """wait_for_save: finish this step's restore, then hand the captured chunks over."""
         if not self.enabled:
             return
-        self.costs.step_end(time.perf_counter(), measured=self._run is None)  # a restore wait is no prefill
+        self.costs.step_end(time.perf_counter(), measured=not self.sync.running)  # a restore wait is no prefill
         short = self._finish_sync_run() | self._short_now
         self._short_now = set()
         saves = meta.saves if meta is not None else []
         self.capture.end(saves, short)
         if short and saves and meta is not None:  # dropped: the scheduler plans them again
-            self._failed_steps.append(meta.step)
+            self._steps.failed(meta.step)
             log.warning("kvtier: a load of step %d fell short; its %d save(s) are dropped",
                         meta.step, len(saves))
 
@@ -420,7 +345,7 @@ class WorkerSide:
     def worker_meta(self) -> KVTierWorkerMeta | None:
         events = self.events.drain() if self.events is not None else None
         loads, self._outcomes = self._outcomes, {}
-        failed, self._failed_steps = self._failed_steps, []
+        failed = self._steps.take_failed()
         if not loads and events is None and not failed:
             return None
         return KVTierWorkerMeta(loads, events, failed)
