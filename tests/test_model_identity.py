@@ -104,3 +104,20 @@ def test_vllm_engine_revision(tmp_path: Path) -> None:
     assert over.startswith("abc+cfg=")
     quant = SimpleNamespace(model="org/name", revision="abc", hf_overrides={}, quantization="fp8")
     assert engine_revision(quant) == "abc+quant=fp8"
+
+
+def test_sglang_namespace_revision_of_a_local_model(tmp_path: Path) -> None:
+    from kvtier_sglang.namespace import namespace_spec
+    from kvtier_sglang.pages import PageGeometry
+    from kvtier_sglang.settings import SglangSettings
+
+    build_random_llama().save_pretrained(tmp_path)
+    geo = PageGeometry(layout="page_first", is_mla=False, layers=2, heads=2, head_dim=8,
+                       page_tokens=64, dtype=torch.bfloat16)
+    sc = SimpleNamespace(model_name=str(tmp_path), pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
+    cfg = KVTierConfig()
+    assert namespace_spec(sc, geo, cfg, SglangSettings()).model_revision == checkpoint_revision(str(tmp_path))
+    named = SglangSettings(model_revision="v7")  # a named revision wins
+    assert namespace_spec(sc, geo, cfg, named).model_revision == "v7"
+    hub = SimpleNamespace(model_name="org/name", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
+    assert namespace_spec(hub, geo, cfg, SglangSettings()).model_revision == ""
