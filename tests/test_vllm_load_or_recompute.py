@@ -58,7 +58,10 @@ class Pair:
                                # test's timing does not hang on this machine's prefill speed (the
                                # cost-bounded period is tests/test_vllm_loadplan.py's).
                                "kvtier": {"chunk_tokens": CHUNK,
-                                          "vllm": {"reprobe_s": REPROBE_S, "probe_share": 1.0}}},
+                                          # the first, slow load must complete (on a busy
+                                          # machine it outlasts the default 2 s deadline)
+                                          "vllm": {"reprobe_s": REPROBE_S, "probe_share": 1.0,
+                                                   "sync_load_timeout_s": 120}}},
                               root / "throttled.log", timeout_s=900)
         except BaseException:
             self.plain.close()

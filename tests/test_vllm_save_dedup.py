@@ -150,6 +150,9 @@ def test_a_dropped_write_releases_its_chunks_for_a_later_request(tmp_path: Path)
         r3 = _req("r3", shared)
         for r, ids in ((r1, [1, 2]), (r2, [3, 4]), (r3, [5, 6])):
             _run_step(sched, worker, _new(sched, [(r, ids)]), caches, write=_fill(ids, ids[0]))
+            end = time.monotonic() + 10  # r1's job taken by the saver (on a busy machine: later)
+            while r is r1 and worker.saver._queue.qsize() and time.monotonic() < end:
+                time.sleep(0.01)
         # The saver waits on r1's fence, r2's job fills the queue: r3's job was dropped.
         stats = worker.take_stats()
         assert stats is not None and stats.data["save_dropped"] == 1

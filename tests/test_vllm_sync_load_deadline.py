@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
-TIMEOUT_S, STALL_S = 0.3, 2.5
+TIMEOUT_S, STALL_S = 0.3, 6.0  # bounds below leave a busy machine seconds of slack
 
 
 def test_stalled_sync_restore_is_given_up_and_never_writes_late(tmp_path: Path) -> None:
@@ -59,14 +59,14 @@ def test_stalled_sync_restore_is_given_up_and_never_writes_late(tmp_path: Path) 
 
         blocks2 = list(range(10, 17))
         took, errors, out = load("r2", blocks2)
-        assert took < TIMEOUT_S + 1.0, took  # not the stall
+        assert took < STALL_S / 2, took  # the deadline, not the stall
         assert errors == set(blocks2[: 3 * C // N])  # vLLM recomputes them
         assert out.kv_connector_worker_meta.loads["r2"].reason == "timeout"
         for t in caches.values():  # vLLM reuses the blocks: the late read must not touch them
             t[blocks2] = 7.0
         blocks3 = list(range(20, 27))
         took, errors, _ = load("r3", blocks3)  # the layer thread is still stuck in the store
-        assert took < 0.5 and errors == set(blocks3[: 3 * C // N])
+        assert took < STALL_S / 3 and errors == set(blocks3[: 3 * C // N]), took  # no wait at all
         time.sleep(STALL_S + 0.5)  # the stuck read returns
         for t in caches.values():
             assert bool((t[blocks2] == 7.0).all())

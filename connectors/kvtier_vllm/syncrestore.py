@@ -64,13 +64,15 @@ class SyncRestore:
             items: list[RestoreItem] = []
             for spec in sync:
                 res = self._fetch(spec)
+                # Planned (which times the read for the cost model) even when given up: a read
+                # that outlived the deadline is how the model learns that the tier is slow.
+                spec_items, outcome = self._plan(spec, res)
                 try:
                     with box[0].guard():
                         slots.extend(self._bufs.slots(res))
                 except Cancelled:
                     self._bufs.release(res)
                     raise
-                spec_items, outcome = self._plan(spec, res)
                 items.extend(spec_items)
                 done.append((spec, outcome))
             with box[0].guard():
