@@ -70,6 +70,12 @@ def test_stalled_sync_restore_is_given_up_and_never_writes_late(tmp_path: Path) 
         time.sleep(STALL_S + 0.5)  # the stuck read returns
         for t in caches.values():
             assert bool((t[blocks2] == 7.0).all())
+        # ... and the cost model timed it: it knows this tier is slow now (seconds per load).
+        end = time.monotonic() + 15  # on a busy machine the stuck read returns later
+        while (cpu := worker.costs.costs(time.monotonic()).tier("cpu")).age_s == 0:
+            assert time.monotonic() < end, "the given-up read was never timed"
+            time.sleep(0.1)
+        assert cpu.fixed_s + cpu.s_per_byte * 3 * chunk_bytes > TIMEOUT_S
         tier.read_bytes_per_s = 0  # healthy again: a load restores the prefix exactly
         blocks4 = list(range(30, 37))
         _, errors, _ = load("r4", blocks4)
