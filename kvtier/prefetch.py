@@ -23,8 +23,9 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -261,20 +262,20 @@ class LayerRun:
         self.error: BaseException | None = None
         self.failed_from: int | None = None  # first layer that did not complete
 
-    def guard(self) -> _Guard:
+    @contextmanager
+    def guard(self) -> Iterator[None]:
         """``with run.guard():`` runs its body only if the run is not cancelled (raises
         :class:`Cancelled` otherwise), and :meth:`cancel` waits for the body to end."""
-        return _Guard(self)
+        with self._guard:
+            if self.cancelled:
+                raise Cancelled("the run was cancelled")
+            yield
 
     def cancel(self) -> None:
         """Give up on the run: waiters are released (as failed) and no step runs from now on."""
         with self._guard:
             self.cancelled = True
-            first = next((i for i, ev in enumerate(self._events) if not ev.is_set()), self.layers)
-            if self.failed_from is None or first < self.failed_from:
-                self.failed_from = first
-            for ev in self._events[first:]:
-                ev.set()
+            self._stop_at(next((i for i, ev in enumerate(self._events) if not ev.is_set()), self.layers))
 
     @property
     def finished(self) -> bool:
@@ -299,24 +300,14 @@ class LayerRun:
 
     def _fail(self, layer: int, exc: BaseException) -> None:
         self.error = exc
+        self._stop_at(layer)
+
+    def _stop_at(self, layer: int) -> None:
+        """Layers from ``layer`` on did not complete: release their waiters."""
         if self.failed_from is None or layer < self.failed_from:
             self.failed_from = layer
         for ev in self._events[layer:]:
             ev.set()
-
-
-class _Guard:
-    def __init__(self, run: LayerRun) -> None:
-        self._run = run
-
-    def __enter__(self) -> None:
-        self._run._guard.acquire()
-        if self._run.cancelled:
-            self._run._guard.release()
-            raise Cancelled("the run was cancelled")
-
-    def __exit__(self, *exc: object) -> None:
-        self._run._guard.release()
 
 
 _Item = tuple[LayerRun, Callable[[int], None], Callable[[], None] | None]
