@@ -28,6 +28,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 WINDOW = 256
+TENSOR_WINDOWS = 3  # start, middle, end of each safetensors tensor
 FILE_WINDOWS = 64
 _HEADER_LIMIT = 100 << 20  # safetensors caps its own header at 100 MB
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -82,17 +83,21 @@ def _safetensors(fd: int, h: xxhash.xxh3_128, name: str) -> None:
                 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1] <= size - base):
             raise OSError(f"{name}: tensor {tname!r} has data_offsets {offsets!r}, not a span of the file")
         begin, end = offsets
-        mid = (begin + end) // 2
-        for at in sorted({begin, max(begin, mid - WINDOW // 2), max(begin, end - WINDOW)}):
-            h.update(os.pread(fd, min(WINDOW, end - at), base + at))
+        for at in window_starts(end - begin, TENSOR_WINDOWS):
+            h.update(os.pread(fd, min(WINDOW, end - begin - at), base + begin + at))
 
 
 def _spread(fd: int, h: xxhash.xxh3_128) -> None:
     size = os.fstat(fd).st_size
     h.update(struct.pack("<Q", size))
-    if size <= FILE_WINDOWS * WINDOW:
-        h.update(os.pread(fd, size, 0))
-        return
-    step = (size - WINDOW) / (FILE_WINDOWS - 1)
-    for i in range(FILE_WINDOWS):
-        h.update(os.pread(fd, WINDOW, int(i * step)))
+    for at in window_starts(size, FILE_WINDOWS):
+        h.update(os.pread(fd, WINDOW, at))
+
+
+def window_starts(n: int, count: int, window: int = WINDOW) -> list[int]:
+    """Offsets of ``count`` windows of ``window`` bytes spread evenly over ``n`` bytes, first and
+    last included (fewer where they would overlap; ``[0]`` when ``n`` fits in one window)."""
+    if n <= window:
+        return [0] if n else []
+    step = (n - window) / max(1, count - 1)
+    return sorted({round(i * step) for i in range(count)})

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvtier.checkpoint import checkpoint_revision
+from kvtier.checkpoint import WINDOW, checkpoint_revision, window_starts
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,7 @@ RUNTIME_FIELDS = frozenset({
     "architectures", "auto_map", "pad_token_id", "bos_token_id", "eos_token_id", "id2label",
     "label2id", "problem_type", "tokenizer_class", "task_specific_params",
 })
-_WINDOWS = 4  # windows of 256 bytes per tensor, spread over it
-_WINDOW = 256
+_WINDOWS = 4  # windows (kvtier.checkpoint.WINDOW bytes) per tensor, spread over it
 
 
 def derived_revision(model: Any) -> str:
@@ -70,9 +69,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             continue
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
         n = flat.numel()
-        starts = sorted({min(n - 1, max(0, round(i * (n - _WINDOW) / max(1, _WINDOWS - 1))))
-                         for i in range(_WINDOWS)})
-        idx = torch.cat([torch.arange(s, min(n, s + _WINDOW)) for s in starts]).to(flat.device)
+        idx = torch.cat([torch.arange(s, min(n, s + WINDOW))
+                         for s in window_starts(n, _WINDOWS)]).to(flat.device)
         h.update(flat.index_select(0, idx).cpu().numpy().tobytes())
     return "mem-" + h.hexdigest()
 
