@@ -14,6 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .events import EventBatch
 
+# Steps back a failed step can still be undone (the scheduler's replan, the workers' purge);
+# the failure's report comes back one or two steps later.
+STEPS_REMEMBERED = 8
+
 
 @dataclass
 class LoadSpec:

@@ -22,7 +22,7 @@ from kvtier.config import KVTierConfig
 from .events import EventTracker
 from .ipc import LookupClient, socket_path
 from .partial import agree_on_hit, partial_save_ends
-from .protocol import KVTierMetadata, KVTierWorkerMeta, LoadSpec, SaveSpec
+from .protocol import STEPS_REMEMBERED, KVTierMetadata, KVTierWorkerMeta, LoadSpec, SaveSpec
 from .request_state import LookupMatch, RequestState
 from .settings import VllmSettings, request_salt
 from .stats import KVTierStats, StatsCollector
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FAST_TIERS = frozenset({"cpu", "memory", "gpu"})
-STEPS_REMEMBERED = 8  # steps whose saves can still be replanned (feedback lags by 1-2 steps)
 
 
 class SchedulerSide:

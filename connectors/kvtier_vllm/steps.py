@@ -22,12 +22,11 @@ import numpy as np
 from kvtier.cache import PrefixCache
 from kvtier.store import TieredStore
 
-from .protocol import SaveSpec
+from .protocol import STEPS_REMEMBERED, SaveSpec
 from .saver import Saver
 
 log = logging.getLogger(__name__)
 
-STEPS_REMEMBERED = 8  # steps whose saves a purge can still find (as the scheduler's replan)
 PURGE_FLUSH_S = 5.0  # a purge waits this long at most for the write-behind to drain
 
 
