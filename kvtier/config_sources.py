@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, not_utf8
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6,
@@ -79,8 +79,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                          f"at offset {exc.start})") from exc
+        raise ConfigError(f"config file {path}: {not_utf8(exc)}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):

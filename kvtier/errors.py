@@ -25,3 +25,10 @@ class ConfigError(KVTierError, ValueError):
 
 class TierUnavailableError(KVTierError):
     """A tier cannot be opened at all (unwritable directory, bad credentials, ...)."""
+
+
+def not_utf8(exc: UnicodeDecodeError, unit: str = "offset") -> str:
+    """The tail of an error message for text that is not UTF-8: which byte, and where
+    (``unit`` "offset": 0-based in the file; "column": 1-based in a line)."""
+    at = exc.start + 1 if unit == "column" else exc.start
+    return f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at {unit} {at})"

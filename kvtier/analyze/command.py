@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.errors import not_utf8
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
 _MULT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -75,8 +77,7 @@ def _fingerprint(ns: argparse.Namespace, tokenizer: Any) -> int:
     except OSError as exc:
         return _fail(f"--fingerprint {str(template)!r}: {exc.strerror or exc}")
     except UnicodeDecodeError as exc:
-        return _fail(f"--fingerprint {str(template)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                     f"at offset {exc.start})")
+        return _fail(f"--fingerprint {str(template)!r}: {not_utf8(exc)}")
     encode = (lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])) if tokenizer is not None else None
     fp = fpm.fingerprint(text, encode)
     golden_file = fpm.golden_path(template, Path(ns.golden) if ns.golden else None)

@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from kvtier.errors import not_utf8
+
 EXAMPLES_DIR = Path(__file__).with_name("prices")
 
 
@@ -80,8 +82,7 @@ def load_prices(path: str | Path) -> list[Price]:
     except OSError as exc:
         raise PriceError(f"price table {str(p)!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise PriceError(f"price table {str(p)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                         f"at offset {exc.start})") from None
+        raise PriceError(f"price table {str(p)!r}: {not_utf8(exc)}") from None
     try:
         doc = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

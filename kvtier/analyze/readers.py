@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvtier.analyze.records import Log, Request
+from kvtier.errors import not_utf8
 from kvtier.keys import KVLayout, NamespaceSpec, chunk_keys, namespace_id
 
 TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "input_ids", "tokens")
@@ -134,8 +135,7 @@ def json_lines(path: Path, progress: bool = False) -> Iterator[tuple[int, dict[s
                 try:
                     obj = json.loads(raw)
                 except UnicodeDecodeError as exc:
-                    raise LogError(f"{path}:{lineno}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                                   f"at column {exc.start + 1})") from None
+                    raise LogError(f"{path}:{lineno}: {not_utf8(exc, 'column')}") from None
                 except json.JSONDecodeError as exc:
                     raise LogError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
                 if not isinstance(obj, dict):
