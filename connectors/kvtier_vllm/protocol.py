@@ -78,6 +78,11 @@ class LoadOutcome:
     seconds: float = 0.0
     nbytes: int = 0
 
+    @classmethod
+    def none_of(cls, spec: LoadSpec, reason: str) -> LoadOutcome:
+        """Nothing of ``spec`` restored (every block of it fails), because of ``reason``."""
+        return cls(spec.start, spec.end, spec.start, {}, reason)
+
 
 @dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):

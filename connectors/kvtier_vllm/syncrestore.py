@@ -123,10 +123,9 @@ class SyncRestore:
         done = {spec.req_id: outcome for spec, outcome in self._done}
         out = []
         for spec in self._specs:
-            outcome = done.get(spec.req_id) or LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+            outcome = done.get(spec.req_id) or LoadOutcome.none_of(spec, "error")
             if not run.ok:
-                outcome = LoadOutcome(spec.start, spec.end, spec.start, {},
-                                      "timeout" if run.cancelled else "error")
+                outcome = LoadOutcome.none_of(spec, "timeout" if run.cancelled else "error")
             outcome.seconds = seconds
             out.append((spec, outcome))
         return out

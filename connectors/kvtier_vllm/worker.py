@@ -248,8 +248,7 @@ class WorkerSide:
             # The layer thread is still inside a store read an earlier step gave up on: these
             # loads would queue behind it. Recompute them now instead of waiting again.
             for spec in sync:
-                self._record(spec.req_id, LoadOutcome(spec.start, spec.end, spec.start, {}, "timeout"),
-                             spec.block_ids)
+                self._record(spec.req_id, LoadOutcome.none_of(spec, "timeout"), spec.block_ids)
                 self._short_now.add(spec.req_id)
 
     def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
@@ -261,7 +260,7 @@ class WorkerSide:
             self.copier.restore_blocking(self.views, items, after)
         except Exception as exc:  # never out of result() into vLLM's step: recompute instead
             log_failure(log, f"async restore of {spec.req_id}", exc)
-            outcome = LoadOutcome(spec.start, spec.end, spec.start, {}, "error")
+            outcome = LoadOutcome.none_of(spec, "error")
         finally:
             if res is not None:
                 self.restore_bufs.release(res)  # restore_blocking returned: copies ran (R4)
