@@ -210,7 +210,7 @@ def test_an_async_restore_that_fails_unexpectedly_is_recomputed_not_raised(tmp_p
 
         def until_the_restore_is_over(name: str, t: torch.Tensor) -> None:
             end = time.monotonic() + 10
-            while fails == "before_the_step_asks" and not all(f.done() for f in worker._async.values()) \
+            while fails == "before_the_step_asks" and not worker.async_loads.all_done() \
                     and time.monotonic() < end:
                 time.sleep(0.001)
 

@@ -46,6 +46,9 @@ class VllmSettings:
     # A synchronous restore not done this long after its step began is given up (its blocks
     # reported failed, vLLM recomputes): a stalled store must never hold the forward pass.
     sync_load_timeout_s: float = field(default=2.0, metadata=_rng(0.01, 3600))
+    # An async load not done this long after it was queued is given up the same way: its
+    # request stops waiting in WAITING_FOR_REMOTE_KVS and recomputes (asyncloads.py).
+    async_load_timeout_s: float = field(default=10.0, metadata=_rng(0.01, 3600))
     prefetch: bool = True               # start loading at lookup time
     # "auto": load only the leading part of a hit estimated faster to load than to recompute
     # (per-tier bandwidth and fixed cost, and the engine's prefill rate, measured online:

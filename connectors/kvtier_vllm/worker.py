@@ -4,7 +4,7 @@ Threads
     forward thread (vLLM's): start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save,
         get_finished, get_block_ids_with_load_errors, build_worker_meta.
     loader thread (``LayerPipeline``): sync restores, layer by layer, during the forward.
-    async thread: restores of ``load_async`` requests while other requests run.
+    async thread: restores of ``load_async`` requests while other requests run (asyncloads.py).
     prefetch pool: store loads started by lookups. saver thread: encode + store captured chunks.
     lookup server threads: ``LookupAnswerer.handle`` (lookups.py) for the scheduler.
 Failure
@@ -20,7 +20,6 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -30,9 +29,10 @@ from kvtier.cache import PrefixCache
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
-from kvtier.prefetch import LayerPipeline, LoadedRange, Prefetcher
+from kvtier.prefetch import Cancelled, LayerPipeline, LayerRun, LoadedRange, Prefetcher
 from kvtier.store import TieredStore
 
+from .asyncloads import AsyncLoads, given_up
 from .blocks import PagedLayout, detect_layout, heads_dim, kv_views
 from .capture import StepCapture
 from .copier import Copier, RestoreItem
@@ -78,7 +78,6 @@ class WorkerSide:
         self._steps = SavedSteps()  # what recent steps saved, for a failed step (steps.py)
         self._short_now: set[str] = set()  # this step's sync loads failed without a run
         self.events: WorkerEvents | None = None  # KV events (rank 0, when vLLM publishes them)
-        self._async: dict[str, Future[tuple[LoadOutcome, list[int]]]] = {}
         self.inflight = InflightChunks()  # chunk keys being captured or written (capture.py)
 
     # --- setup ----------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ class WorkerSide:
         self.prefetcher = Prefetcher(self.settings.prefetch_workers, self.settings.prefetch_max_bytes,
                                      thread_init=pin, on_drop=lambda r: self.restore_bufs.release(r))
         self.pipeline = LayerPipeline(thread_init=pin)
-        self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load", initializer=pin)
+        self.async_loads = AsyncLoads(self._async_load, self.settings.async_load_timeout_s, pin)
         self.saver = Saver(self.cache_for, self.chunk, self.settings.save_queue_depth, pin,
                            self.stats, self.cmetrics, probed=self._probes_all)
         self.use_copier(self.copier)
@@ -237,8 +236,7 @@ class WorkerSide:
             if spec.is_async:
                 # Taken here, on the forward thread, whose current stream is the compute stream:
                 # the load must follow the zeroing / preempted writes already enqueued on it.
-                after = self.copier.order_async()
-                self._async[spec.req_id] = self._async_pool.submit(self._async_load, spec, after)
+                self.async_loads.submit(spec, self.copier.order_async())
         sync = [s for s in meta.loads if not s.is_async]
         if not sync:
             return
@@ -251,13 +249,19 @@ class WorkerSide:
                 self._record(spec.req_id, LoadOutcome.none_of(spec, "timeout"), spec.block_ids)
                 self._short_now.add(spec.req_id)
 
-    def _async_load(self, spec: LoadSpec, after: Any) -> tuple[LoadOutcome, list[int]]:
+    def _async_load(self, spec: LoadSpec, after: Any, run: LayerRun) -> tuple[LoadOutcome, list[int]]:
+        """On the async thread (asyncloads.py): copies only under ``run.guard()``."""
+        if run.cancelled:  # given up while queued
+            return given_up(spec)
         t0 = time.perf_counter()
         res: LoadedRange | None = None
         try:
             res = self._fetch(spec)
             items, outcome = self._plan(spec, res)
-            self.copier.restore_blocking(self.views, items, after)
+            with run.guard():
+                self.copier.restore_blocking(self.views, items, after)
+        except Cancelled:  # the read outlived async_load_timeout_s: the request recomputes
+            outcome = LoadOutcome.none_of(spec, "timeout")
         except Exception as exc:  # never out of result() into vLLM's step: recompute instead
             log_failure(log, f"async restore of {spec.req_id}", exc)
             outcome = LoadOutcome.none_of(spec, "error")
@@ -329,13 +333,12 @@ class WorkerSide:
             return set()
         if finished_req_ids:
             self.prefetcher.discard(list(finished_req_ids))
-        if not self._async:
+        if not len(self.async_loads):
             return set()
-        done = {r for r, f in self._async.items() if f.done()}
-        for req_id in done:
-            outcome, failed = self._async.pop(req_id).result()
+        done = self.async_loads.finished()
+        for req_id, (outcome, failed) in done.items():
             self._record(req_id, outcome, failed)
-        return done
+        return set(done)
 
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -359,7 +362,7 @@ class WorkerSide:
         self.server.close()
         self.saver.close(timeout_s=30)
         self.pipeline.close()
-        self._async_pool.shutdown(wait=True)
+        self.async_loads.close()
         self.prefetcher.close()
         self.store.flush(timeout_s=30)
         self.store.close()
