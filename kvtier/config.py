@@ -102,6 +102,9 @@ class RedisTierConfig:
     backoff_s: float = field(default=0.5, metadata=value_range(0.01, 600))
     backoff_max_s: float = field(default=10.0, metadata=value_range(0.01, 3600))
 
+    def __post_init__(self) -> None:
+        _at_most("redis", "backoff_s", self.backoff_s, "backoff_max_s", self.backoff_max_s)
+
 
 @dataclass(frozen=True)
 class GrpcTierConfig:
@@ -144,6 +147,7 @@ class GrpcTierConfig:
     hedge_after: float = field(default=0.5, metadata=value_range(0.0, 1.0))
 
     def __post_init__(self) -> None:
+        _at_most("grpc", "backoff_s", self.backoff_s, "backoff_max_s", self.backoff_max_s)
         kind, sep, rest = self.discovery.partition(":")
         if self.discovery and (kind not in ("dns", "srv") or not sep or not rest):
             raise ConfigError(f"grpc.discovery: {self.discovery!r}: expected dns:HOST:PORT or srv:NAME")
@@ -151,6 +155,12 @@ class GrpcTierConfig:
             if not _is_hostport(node):
                 raise ConfigError(f"grpc.nodes[{i}]: {node!r} is not HOST:PORT with a port in 1-65535 "
                                   f"(e.g. 10.0.0.5:50051, [::1]:50051)")
+
+
+def _at_most(section: str, lo_name: str, lo: float, hi_name: str, hi: float) -> None:
+    """The cross-field rule ``lo <= hi``, checked when the config is read, not at tier open."""
+    if lo > hi:
+        raise ConfigError(f"{section}.{lo_name} ({lo}) must not exceed {section}.{hi_name} ({hi})")
 
 
 def _is_hostport(node: object) -> bool:
