@@ -14,6 +14,12 @@ end); for other weight files (``*.bin``, ``*.pt``, ``*.gguf``) the size and 64 w
 over the file. A few MiB of reads for a large model; retraining changes every window it covers
 with near certainty. What it cannot see: a change confined to bytes between the windows of a
 tensor, and weights changed in memory after loading. Where that matters, name the revision.
+
+:func:`model_revision` is the whole rule an engine connector applies to a model name: a hub
+model (``org/name``) is named by the commit of the snapshot the hub cache holds for it (a model
+updated upstream is another namespace, and the commit is what transformers records as
+``_commit_hash``, so engines agree); a directory by :func:`checkpoint_revision`, or by its
+commit when it is a hub cache snapshot directory.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 
 import xxhash
@@ -32,6 +39,36 @@ TENSOR_WINDOWS = 3  # start, middle, end of each safetensors tensor
 FILE_WINDOWS = 64
 _HEADER_LIMIT = 100 << 20  # safetensors caps its own header at 100 MB
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SNAPSHOT = re.compile(r"[/\\]snapshots[/\\]([0-9a-f]{40})(?:[/\\]|$)")  # as transformers reads it
+
+
+def model_revision(model: str, revision: str | None = None) -> str:
+    """The revision that names the weights an engine loaded as ``model`` (a directory or a hub
+    id) at ``revision`` (the engine's, may be a branch): a hub snapshot's commit, else a
+    directory's :func:`checkpoint_revision`, else ``revision``, else ``""`` (nothing known:
+    the caller should ask the user to name one). Raises OSError as checkpoint_revision does."""
+    if os.path.isdir(model):
+        snapshot = _SNAPSHOT.search(os.path.abspath(model))
+        if snapshot is not None:
+            return snapshot.group(1)
+        return checkpoint_revision(model) or revision or ""
+    return hub_commit(model, revision) or revision or ""
+
+
+def hub_commit(repo_id: str, revision: str | None = None) -> str | None:
+    """The commit of the snapshot of ``repo_id`` at ``revision`` (default: main) in the local
+    Hugging Face cache, without touching the network; None when it is not cached there, not a
+    hub id, or huggingface_hub is not installed."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        path = try_to_load_from_cache(repo_id, "config.json", revision=revision or None)
+    except ValueError:  # HFValidationError: not a repo id (a URL, a missing local path)
+        return None
+    found = _SNAPSHOT.search(path) if isinstance(path, str) else None
+    return found.group(1) if found is not None else None
 
 
 def checkpoint_revision(path: str) -> str | None:

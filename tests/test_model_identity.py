@@ -121,3 +121,52 @@ def test_sglang_namespace_revision_of_a_local_model(tmp_path: Path) -> None:
     assert namespace_spec(sc, geo, cfg, named).model_revision == "v7"
     hub = SimpleNamespace(model_name="org/name", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
     assert namespace_spec(hub, geo, cfg, SglangSettings()).model_revision == ""
+
+
+def _hub_snapshot(cache: Path, repo: str, commit: str, seed: int, ref: str = "main") -> Path:
+    """A hub cache entry for ``repo`` as huggingface_hub lays it out (refs/<ref> -> commit)."""
+    entry = cache / ("models--" + repo.replace("/", "--"))
+    snap = entry / "snapshots" / commit
+    build_random_llama(TinyLlamaSpec(seed=seed)).save_pretrained(snap)
+    (entry / "refs").mkdir(parents=True, exist_ok=True)
+    (entry / "refs" / ref).write_text(commit)
+    return snap
+
+
+def test_hub_model_is_named_by_its_cached_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub id named no revision in vLLM and SGLang (and, since transformers 5 stopped recording
+    ``_commit_hash``, a fingerprint of the weights in memory in transformers): a model updated
+    upstream kept the old weights' namespace in vLLM and SGLang, and no engine agreed with
+    another. Now the commit of its cached snapshot names it in all three, and an update is
+    another namespace."""
+    import huggingface_hub.constants
+    from kvtier_sglang.namespace import namespace_spec
+    from kvtier_sglang.pages import PageGeometry
+    from kvtier_sglang.settings import SglangSettings
+    from kvtier_vllm.namespace import engine_revision
+
+    from kvtier.checkpoint import model_revision
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    c1, c2, c3 = "1" * 40, "2" * 40, "3" * 40
+    snap = _hub_snapshot(cache, "org/name", c1, seed=0)
+    hf = AutoModelForCausalLM.from_pretrained("org/name", cache_dir=cache, local_files_only=True)
+    # transformers >= 5 no longer records config._commit_hash: the cache names it for every engine
+    assert getattr(hf.config, "_commit_hash", None) in (None, c1)
+    assert namespace_for(hf, CHUNK).model_revision == c1
+    assert model_revision("org/name") == c1 == model_revision(str(snap))  # the snapshot directory too
+    stale = SimpleNamespace(_commit_hash=c1)  # an older transformers' record wins where present
+    assert engine_revision(SimpleNamespace(model="elsewhere", revision=None, hf_overrides={}, hf_config=stale)) == c1
+    assert engine_revision(SimpleNamespace(model="org/name", revision=None, hf_overrides={})) == c1
+    geo = PageGeometry(layout="page_first", is_mla=False, layers=2, heads=2, head_dim=8,
+                       page_tokens=64, dtype=torch.bfloat16)
+    sc = SimpleNamespace(model_name="org/name", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
+    assert namespace_spec(sc, geo, KVTierConfig(), SglangSettings()).model_revision == c1
+    _hub_snapshot(cache, "org/name", c2, seed=1)  # updated upstream: main moves on
+    assert model_revision("org/name") == c2 and engine_revision(
+        SimpleNamespace(model="org/name", revision=None, hf_overrides={})) == c2
+    _hub_snapshot(cache, "org/name", c3, seed=2, ref="v1")  # a tag resolves to its commit
+    assert model_revision("org/name", "v1") == c3
+    assert model_revision("org/other") == "" and model_revision("org/other", "v9") == "v9"  # not cached
+    assert model_revision("https://example.com/x") == ""  # not a hub id: nothing known

@@ -2,7 +2,9 @@
 
 A chunk is valid only for the exact weights and K/V-relevant config that produced it, and the
 namespace (kvtier.keys) is all that keeps another model's chunks out. Model id + hub commit
-hash is enough for a hub model loaded as published; two cases are not covered by it and served
+hash is enough for a hub model loaded as published (transformers 5 no longer records
+``_commit_hash``: the commit is then the one of the snapshot in the hub cache,
+:func:`kvtier.checkpoint.model_revision`); two cases are not covered by it and served
 another model's K/V before this module (both reproduced: different greedy tokens, no error):
 
 - no revision at all: a model loaded from a local directory has no commit hash, so a checkpoint
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvtier.checkpoint import WINDOW, checkpoint_revision, window_starts
+from kvtier.checkpoint import WINDOW, model_revision, window_starts
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ def derived_revision(model: Any) -> str:
     module docstring); logs which it used. Raises OSError when the checkpoint's weight files
     cannot be read."""
     path = str(getattr(model.config, "name_or_path", "") or "")
-    rev = checkpoint_revision(path) if path else None
-    if rev is not None:
+    rev = model_revision(path) if path else ""
+    if rev:
         log.info("model %s names no revision: using a fingerprint of its files (%s); pass "
                  "revision= to name it", path, rev)
         return rev

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvtier.checkpoint import checkpoint_revision
+from kvtier.checkpoint import model_revision
 from kvtier.chunk import HEADER_SIZE
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
@@ -119,10 +119,10 @@ def namespace_spec(storage_config: Any, geo: PageGeometry, cfg: KVTierConfig,
         rank, world = pp_rank * tp_size + tp_rank, pp_size * tp_size
     layout = KVLayout(num_layers=geo.layers, num_kv_heads=geo.heads, head_dim=geo.head_dim,
                       chunk_tokens=geo.page_tokens, kv=geo.kv)
-    # A model served from a local directory names no revision: its files' fingerprint is the
-    # revision (kvtier.checkpoint; the same transformers and vLLM compute), so a checkpoint saved
-    # again into that directory is never served the old one's pages.
-    revision = settings.model_revision or checkpoint_revision(str(storage_config.model_name or "")) or ""
+    # SGLang names no revision: a hub model's is the commit of its cached snapshot, a local
+    # directory's the fingerprint of its files (kvtier.checkpoint.model_revision; the same
+    # transformers and vLLM compute), so updated weights are never served the old pages.
+    revision = settings.model_revision or model_revision(str(storage_config.model_name or ""))
     return NamespaceSpec(model_id=model_id, layout=layout, kv_dtype=dtype,
                          model_revision=revision, rank=rank, world_size=world,
                          salt=cfg.salt, hash_name="sha256")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvtier.cache import PrefixCache
-from kvtier.checkpoint import checkpoint_revision
+from kvtier.checkpoint import model_revision
 from kvtier.config import KVTierConfig
 from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.store import TieredStore
@@ -46,15 +46,17 @@ class EngineInfo:
 
 
 def engine_revision(model_config: Any) -> str:
-    """The revision of the engine's weights when ``model_revision`` is not set: vLLM's
-    ``revision``, else, for a model loaded from a local directory, a fingerprint of its files
-    (kvtier.checkpoint: a checkpoint saved again into the same directory must not be served
-    its predecessor's K/V; transformers computes the same one for the same directory); plus
-    ``+quant=`` of vLLM's ``quantization`` and ``+cfg=`` of ``hf_overrides`` when the engine
-    overrides the saved config (other K/V)."""
-    revision = str(getattr(model_config, "revision", None) or "")
-    if not revision:
-        revision = checkpoint_revision(str(getattr(model_config, "model", "") or "")) or ""
+    """The revision of the engine's weights when ``model_revision`` is not set: the hub commit
+    of the snapshot vLLM loaded (transformers' ``_commit_hash`` of its config: a model updated
+    upstream is another namespace, and transformers names the same commit); for a model loaded
+    from a local directory a fingerprint of its files (kvtier.checkpoint: a checkpoint saved
+    again into the same directory must not be served its predecessor's K/V; transformers
+    computes the same one); else vLLM's ``revision``. Plus ``+quant=`` of vLLM's
+    ``quantization`` and ``+cfg=`` of ``hf_overrides`` when the engine overrides the saved
+    config (other K/V)."""
+    commit = getattr(getattr(model_config, "hf_config", None), "_commit_hash", None)
+    revision = str(commit or model_revision(str(getattr(model_config, "model", "") or ""),
+                                            getattr(model_config, "revision", None) or None))
     quantization = getattr(model_config, "quantization", None)
     if quantization:  # --quantization: other weights in the same files, other KV
         revision += f"+quant={quantization}"
