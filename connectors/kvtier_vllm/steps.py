@@ -6,16 +6,20 @@ request's blocks at once; under tensor parallelism the all-reduce mixes every ra
 every rank's KV). The rank that saw the failure drops the step's saves before writing them and
 reports the step (``failed``); every rank then gets the step back in ``purge_steps`` and deletes
 what it saved in it (``purge``), after those writes and the store's write-behind are done.
+Until that deletion ran, the keys it will delete are ``purging``: a capture must not skip them
+as already stored (the step that recomputes them is captured before the deletion runs, and its
+chunks would be lost once it did).
 
-Threads: ``remember``/``take_failed``/``purge`` on vLLM's forward thread; the deletion itself runs
-on the saver thread (queued after the step's own save jobs).
+Threads: ``remember``/``take_failed``/``purge``/``first_purging`` on vLLM's forward thread; the
+deletion itself runs on the saver thread (queued after the step's own save jobs).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +38,8 @@ class SavedSteps:
     def __init__(self) -> None:
         self._saves: OrderedDict[int, list[SaveSpec]] = OrderedDict()
         self._failed: list[int] = []
+        self._purging: Counter[bytes] = Counter()  # keys of queued purges (two may share a key)
+        self._lock = threading.Lock()
 
     def remember(self, step: int, saves: list[SaveSpec]) -> None:
         if saves:
@@ -57,15 +63,30 @@ class SavedSteps:
         saves = self._saves.pop(step, None)
         if not saves:
             return
+        doomed: list[bytes] = []
+        for spec in saves:
+            tokens = np.frombuffer(spec.tokens, dtype="<u4")
+            keys = cache_for(spec.salt).keys(tokens, full_chunks_only=not spec.partial)
+            doomed.extend(keys[spec.start_chunk:spec.end_chunk])
+        with self._lock:
+            self._purging.update(doomed)
 
         def purge() -> None:
             target = store()
             target.flush(timeout_s=PURGE_FLUSH_S)  # else a cascade could put a chunk back
-            n = 0
-            for spec in saves:
-                tokens = np.frombuffer(spec.tokens, dtype="<u4")
-                keys = cache_for(spec.salt).keys(tokens, full_chunks_only=not spec.partial)
-                n += target.delete(keys[spec.start_chunk:spec.end_chunk])
+            try:
+                n = target.delete(doomed)
+            finally:
+                with self._lock:
+                    self._purging.subtract(doomed)
+                    self._purging = +self._purging  # drop the keys at zero
             log.warning("kvtier: step %d failed on some rank: %d chunk(s) saved here deleted", step, n)
 
         saver.after_queued(purge)
+
+    def first_purging(self, keys: Sequence[bytes]) -> int:
+        """The index of the first of ``keys`` a queued purge will delete (``len(keys)``: none)."""
+        if not self._purging:
+            return len(keys)
+        with self._lock:
+            return next((i for i, k in enumerate(keys) if k in self._purging), len(keys))

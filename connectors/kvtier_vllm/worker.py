@@ -161,7 +161,8 @@ class WorkerSide:
         return probes_every_tier(self.store)
 
     def _stored_locally(self, keys: Sequence[bytes]) -> int:
-        return held_locally(self.store, keys)
+        # A chunk a failed step's purge is about to delete is not "stored": capture it again.
+        return self._steps.first_purging(keys[:held_locally(self.store, keys)])
 
     def cache_for(self, salt: bytes) -> PrefixCache:
         return self._caches.get(salt, lambda: tenant_cache(self.store, self.cfg, self.base_spec, salt))
