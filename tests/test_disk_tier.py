@@ -71,11 +71,11 @@ def test_restart_rebuilds_index(tmp_path: Path) -> None:
     assert again.usage() == usage
     assert again.contains(keys) == 20
     assert again.get(keys) == [chunk_for(k) for k in keys]
-    assert again.check() == []
+    assert again.check(idle=True) == []
     # Older files are evicted first after a restart (file time order).
     small = open_tier(tmp_path, capacity=10 * ALIGN)
     assert small.rebuild_stats.evicted == 10 and small.usage().entries == 10
-    assert small.contains(keys[10:]) == 10 and small.check() == []
+    assert small.contains(keys[10:]) == 10 and small.check(idle=True) == []
 
 
 def test_truncated_file_is_a_corrupt_miss_and_deleted(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_truncated_file_is_a_corrupt_miss_and_deleted(tmp_path: Path) -> None:
     assert tier.get(keys) == [chunk_for(keys[0]), Miss(CORRUPT), chunk_for(keys[2])]
     assert not path.exists() and tier.corrupt_reads == 1
     assert tier.get([keys[1]]) == [Miss(ABSENT)]
-    assert tier.usage().entries == 2 and tier.check() == []
+    assert tier.usage().entries == 2 and tier.check(idle=True) == []
     # Found at start-up: a length that disagrees with the header is deleted and counted.
     os.truncate(file_of(tier, keys[2]), 2000)
     tier.close()
@@ -105,7 +105,7 @@ def test_bit_flip_is_a_corrupt_miss(tmp_path: Path, where: str) -> None:
     path.write_bytes(raw)
     out = memoryview(bytearray(8192))
     assert tier.get_into(keys, [out, memoryview(bytearray(8192))])[0] == Miss(CORRUPT)
-    assert not path.exists() and tier.check() == []
+    assert not path.exists() and tier.check(idle=True) == []
     assert tier.get(keys[1:]) == [chunk_for(keys[1])]
     if where == "header":  # start-up catches a bad header without reading payloads
         path2 = file_of(tier, keys[1])
@@ -133,7 +133,7 @@ def test_chunk_of_another_key_or_namespace(tmp_path: Path) -> None:
     assert tier.put([Entry(b, b"not a chunk at all" * 10)]) == [False]
     shutil.copy(file_of(tier, a), file_of(tier, b))
     assert tier.get([b]) == [Miss(CORRUPT)] and not file_of(tier, b).exists()
-    assert tier.check() == []
+    assert tier.check(idle=True) == []
 
 
 def test_full_tier_evicts_and_reuses_files(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_full_tier_evicts_and_reuses_files(tmp_path: Path) -> None:
     assert tier.get(keys[22:]) == [chunk_for(k) for k in keys[22:]]
     files = [p for p in Path(tier.root).rglob("*") if p.is_file()]
     assert len(files) == 8 and sum(p.stat().st_size for p in files) == usage.used_bytes
-    assert tier.check() == []
+    assert tier.check(idle=True) == []
 
 
 def test_unusable_directory_raises_at_construction(tmp_path: Path) -> None:
@@ -165,7 +165,7 @@ def test_two_tiers_on_one_directory_see_each_others_writes(tmp_path: Path) -> No
     assert reader.get_into(late[:1], [out]) == [len(chunk_for(late[0]))]
     assert reader.delete(keys[:1]) == 1
     assert writer.get(keys[:1]) == [Miss(EVICTED)]  # gone under the writer: a miss, no error
-    assert reader.check() == [] and writer.check() == []
+    assert reader.check(idle=True) == [] and writer.check(idle=True) == []
     # A buffered writer leaves unpadded files; an O_DIRECT reader reads them whole.
     buffered = open_tier(tmp_path, o_direct=False)
     odd = fill(buffered, 2, prefix="odd")
@@ -201,7 +201,7 @@ def test_get_into_aligned_and_unaligned_buffers(tmp_path: Path) -> None:
         assert bytes(view[: len(chunk)]) == chunk
     with pytest.raises(ValueError):
         tier.get_into([key], [memoryview(arena)[: len(chunk) - 1]])
-    assert tier.check() == []
+    assert tier.check(idle=True) == []
 
 
 def test_stale_temp_files_are_removed(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ def test_full_file_system_evicts_and_retries(tmp_path: Path, caplog: pytest.LogC
         assert tier.usage().entries < len(keys)  # the file system, not the tier, was full
         assert tier.usage().used_bytes <= MiB < tier.usage().capacity_bytes
         assert tier.get(keys[-1:]) == [chunk_for(keys[-1], tokens=64)]
-        assert tier.check() == []
+        assert tier.check(idle=True) == []
         tier.close()
 
 
@@ -248,7 +248,7 @@ def test_evict_listener_gets_the_bytes(tmp_path: Path) -> None:
     tier.pin([keys[1]])
     d = key_of("d")
     assert tier.put([Entry(d, chunk_for(d))]) == [True]
-    assert tier.contains([keys[1], d]) == 2 and tier.check() == []
+    assert tier.contains([keys[1], d]) == 2 and tier.check(idle=True) == []
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
@@ -267,7 +267,7 @@ def test_a_file_longer_than_its_chunk_is_refused_without_reading_it_all(tmp_path
     assert tier.get_into(keys[1:], [out]) == [Miss(CORRUPT)]
     assert tier._scratch.view.nbytes <= 1 * MiB  # its smallest size: nothing past the chunks
     assert not any(file_of(tier, k).exists() for k in keys)  # refused files are removed
-    assert tier.check() == []
+    assert tier.check(idle=True) == []
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
@@ -286,7 +286,7 @@ def test_reading_a_sharers_chunk_into_a_full_tier_returns_that_chunk(tmp_path: P
     unaligned = memoryview(bytearray(len(chunk_for(y)) + 1))[1:]  # read via scratch, then copied
     assert reader.get_into([y], [unaligned]) == [len(chunk_for(y))]
     assert bytes(unaligned) == chunk_for(y)
-    assert seen == own[:2] and reader.check() == []
+    assert seen == own[:2] and reader.check(idle=True) == []
 
 
 def test_a_bad_read_leaves_a_good_file_a_sharer_published_since(tmp_path: Path,
@@ -330,11 +330,11 @@ def test_a_read_only_medium_never_raises_nor_leaks_capacity(tmp_path: Path) -> N
         new = [key_of(f"ro{i}") for i in range(3)]
         assert tier.put([Entry(k, chunk_for(k)) for k in new]) == [False] * 3
         assert tier.delete(keys[1:2]) == 1  # out of the index; the file stays where it cannot go
-        assert tier.check() == []
+        assert tier.check(idle=True) == []
         subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
         more = [key_of(f"rw{i}") for i in range(8)]
         assert tier.put([Entry(k, chunk_for(k)) for k in more]) == [True] * 8
-        assert tier.usage().used_bytes == 8 * ALIGN and tier.check() == []
+        assert tier.usage().used_bytes == 8 * ALIGN and tier.check(idle=True) == []
         assert tier.get(more) == [chunk_for(k) for k in more]
         tier.close()
 
@@ -353,5 +353,5 @@ def test_an_evict_listener_that_raises_gives_the_reservation_back(tmp_path: Path
     tier.evict_listener = None
     more = [key_of(f"m{i}") for i in range(4)]
     assert tier.put([Entry(m, chunk_for(m)) for m in more]) == [True] * 4
-    assert tier.usage().used_bytes == 4 * ALIGN and tier.check() == []
+    assert tier.usage().used_bytes == 4 * ALIGN and tier.check(idle=True) == []
     assert not [p for p in Path(tmp_path).rglob("*.tmp")]

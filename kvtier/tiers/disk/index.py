@@ -11,6 +11,11 @@ Threads: methods marked "lock held" run under the TierBase lock and only decide;
 part (unlinks, which can take milliseconds on a ``discard`` mount, and the evict listener)
 is collected in a :class:`Pending` and done by :meth:`DiskIndex._finish` after the lock is
 released. A victim's file is never reused while this process reads it (``_readers``).
+Adoption (indexing a file another process wrote, found by a read or a probe) must never take
+back a key this tier itself just dropped: ``_leaving`` counts the keys whose files this tier is
+removing (evicted or deleted, unlink not yet done), ``_dropped_reads`` the keys dropped while a
+read of theirs was in flight; neither is adopted (it would index a file that is gone, and evict
+a real chunk to make room for it).
 Failure: a file a sharer already removed is simply not reused or unlinked; nothing here
 raises for the medium.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.base import BoundedTier, Miss
@@ -32,11 +38,12 @@ class Pending:
     """Work decided under the lock and done after it: files to unlink (an unlink can take
     milliseconds on a ``discard`` mount) and evicted chunks for the listener."""
 
-    __slots__ = ("doomed", "evicted")
+    __slots__ = ("doomed", "evicted", "left")
 
     def __init__(self) -> None:
         self.doomed: list[str] = []
         self.evicted: list[tuple[bytes, bytes]] = []
+        self.left: list[bytes] = []  # evicted keys: ``_leaving`` until their files are gone
 
 
 class DiskIndex(BoundedTier):
@@ -50,6 +57,8 @@ class DiskIndex(BoundedTier):
         self.policy = make_policy(policy)
         self._index: dict[bytes, int] = {}  # key -> size of its file on disk
         self._readers: dict[bytes, int] = {}  # key -> reads in flight (its file is not reused)
+        self._leaving: Counter[bytes] = Counter()  # keys whose files this tier is removing
+        self._dropped_reads: set[bytes] = set()  # keys dropped while read (never adopted by it)
         self._used = 0
         self._reserved = 0  # bytes promised to puts whose files are being written
 
@@ -93,6 +102,8 @@ class DiskIndex(BoundedTier):
         size = self._index.pop(victim, 0)  # 0: the listener's read found it corrupt
         self._used -= size
         self._remember_evicted(victim)
+        self._leave(victim)
+        p.left.append(victim)
         return victim, size
 
     def _make_room(self, size: int, p: Pending, reuse_as: str | None = None) -> int | None:
@@ -148,8 +159,26 @@ class DiskIndex(BoundedTier):
         self._finish(pending)
         return freed
 
+    def _leave(self, key: bytes) -> None:
+        """``key``'s file is being removed by this tier: adopt it nowhere until ``_left``."""
+        self._leaving[key] += 1
+        if key in self._readers:
+            self._dropped_reads.add(key)
+
+    def _left(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._leaving[key] -= 1
+                if self._leaving[key] <= 0:
+                    del self._leaving[key]
+
+    def _adoptable(self, key: bytes) -> bool:
+        return key not in self._leaving
+
     def _forget(self, key: bytes) -> bool:
         """Take ``key`` out of the index (not its file); True if it was there."""
+        if key in self._readers:
+            self._dropped_reads.add(key)
         size = self._index.pop(key, None)
         if size is None:
             return False
@@ -169,6 +198,8 @@ class DiskIndex(BoundedTier):
         """Lock released: unlink what was evicted, then tell the evict listener."""
         for path in p.doomed:
             io.unlink(path)
+        if p.left:
+            self._left(p.left)
         listener = self.evict_listener
         if listener is not None:
             for key, value in p.evicted:
@@ -181,9 +212,13 @@ class DiskIndex(BoundedTier):
     def _size_of(self, key: bytes) -> int:
         return self._index.get(key, 0)
 
-    def check(self) -> list[str]:
+    def check(self, idle: bool = False) -> list[str]:
+        """The invariants; ``idle``: no operation is in flight and no other process shares the
+        directory, so every indexed key must have its file, of the indexed size."""
         with self._lock:
             problems: list[str] = []
+            if idle:
+                problems += self._check_files()
             used = sum(self._index.values())
             if used != self._used:
                 problems.append(f"used_bytes {self._used} != sum of file sizes {used}")
@@ -194,3 +229,16 @@ class DiskIndex(BoundedTier):
             if len(self.policy) != len(self._index) or any(k not in self.policy for k in self._index):
                 problems.append(f"policy tracks {len(self.policy)} keys, tier holds {len(self._index)}")
             return problems
+
+    def _check_files(self) -> list[str]:
+        problems = [f"{n} key(s) still marked leaving or dropped with nothing in flight"
+                    for n in [len(self._leaving) + len(self._dropped_reads)] if n]
+        for key, size in self._index.items():
+            try:
+                on_disk = os.stat(self._path(key)).st_size
+            except FileNotFoundError:
+                problems.append(f"indexed {key.hex()[:16]} has no file")
+                continue
+            if on_disk != size:
+                problems.append(f"indexed {key.hex()[:16]} as {size} bytes, its file has {on_disk}")
+        return problems

@@ -131,13 +131,16 @@ class DiskTier(DiskIndex):
         finally:
             with self._lock:
                 left = self._readers.pop(key) - 1
+                dropped = key in self._dropped_reads  # deleted or evicted here meanwhile
                 if left:
                     self._readers[key] = left
+                else:
+                    self._dropped_reads.discard(key)
         pending = Pending()
         with self._lock:
             if key in self._index:
                 self.policy.access(key)
-            elif not victim and not self._closed:
+            elif not victim and not self._closed and not dropped and self._adoptable(key):
                 self._adopt(key, size, pending)
         self._finish(pending)
         return view
@@ -162,6 +165,8 @@ class DiskTier(DiskIndex):
                     with self._lock:
                         return Probe(hits, self._absent(key).reason)
                 with self._lock:
+                    if not self._adoptable(key):  # this tier is removing that file
+                        return Probe(hits, self._absent(key).reason)
                     self._adopt(key, size, pending)
                 hits += 1
             return Probe(hits)
@@ -221,7 +226,9 @@ class DiskTier(DiskIndex):
         pending = Pending()
         with self._lock:
             self._check_open()
-            reused = self._make_room(size, pending, tmp)
+            # An overwrite frees the old file's bytes itself: room only for the difference
+            # (else a full tier evicts an unrelated chunk, or refuses a pinned key's overwrite).
+            reused = self._make_room(size - self._index.get(e.key, 0), pending, tmp)
             if reused is not None:
                 self._reserved += size
         if reused is None:
@@ -263,5 +270,9 @@ class DiskTier(DiskIndex):
         with self._lock:
             self._check_open()
             known = [self._forget(key) for key in keys]
-        # Unlink outside the lock; a file only a sharer indexed counts as deleted too.
-        return sum(io.unlink(self._path(k)) or was for k, was in zip(keys, known))
+            for key in keys:
+                self._leave(key)
+        try:  # unlink outside the lock; a file only a sharer indexed counts as deleted too
+            return sum(io.unlink(self._path(k)) or was for k, was in zip(keys, known))
+        finally:
+            self._left(list(keys))
