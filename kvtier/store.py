@@ -6,10 +6,11 @@
   tier are promoted into the tiers above it (``promote_on_load``), before the load returns or,
   with ``load_into(..., defer_promotion=True)``, when the caller calls :meth:`promote`.
 - store: write-through into tier 0 on the caller's thread (a memcpy for cpu), then cascade to
-  the tiers below through a bounded queue served by one writer thread. When the queue is full
-  the batch is dropped and counted: the caller (the engine) is never blocked.
-  Write policies: ``write_through`` cascades every chunk; ``write_through_selective`` only
-  chunks loaded ``selective_min_hits`` times; ``write_back`` cascades a chunk when tier i evicts it.
+  the tiers below through a bounded queue served by one writer thread (kvtier.writebehind).
+  When the queue is full the batch is dropped and counted: the caller (the engine) is never
+  blocked. Write policies: ``write_through`` cascades every chunk; ``write_through_selective``
+  only chunks loaded ``selective_min_hits`` times (to every tier below); ``write_back``
+  cascades a chunk when tier i evicts it. A delete also cancels queued writes of its keys.
 
 Threads: every public method may be called from any thread. ``close`` flushes the queue.
 Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store;
@@ -20,10 +21,9 @@ Listeners (:meth:`TieredStore.listen`) learn which tier took or lost which chunk
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import Counter as Tally
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvtier.codec import Buf
@@ -48,6 +48,7 @@ from kvtier.tiers.base import (
     Tier,
     TierUsage,
 )
+from kvtier.writebehind import WriteBehind
 
 __all__ = ["LoadIntoResult", "LoadResult", "LookupResult", "Promotion", "StoreListener", "TieredStore"]
 
@@ -57,9 +58,7 @@ log = logging.getLogger(__name__)
 _REASON_RANK = {ABSENT: 0, EVICTED: 1}
 
 
-_STOP = object()
-# (entries, first tier level to write them to, their prefix's keys when known: see bind_prefix)
-_Job = tuple[list[Entry], int, Sequence[bytes] | None]
+HITS_REMEMBERED = 1 << 16  # keys whose load count write_through_selective keeps (~200 B each)
 
 
 class TieredStore:
@@ -76,20 +75,18 @@ class TieredStore:
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.declare_tiers(tuple(names))
         self.metrics.on_scrape(self._refresh_local_usage)
-        self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=config.queue_depth)
-        self._hits: Tally[bytes] = Tally()
+        self._hits: OrderedDict[bytes, int] = OrderedDict()  # most recently loaded last
         self._hits_lock = threading.Lock()
-        self._closed = False
-        self._enqueue_lock = threading.Lock()  # _enqueue's closed check and close()'s _STOP
         self._listeners = Listeners()
         for level, tier in enumerate(self.tiers):
-            tier.evict_listener = self._make_evict_listener(level)
+            self._listen_to_evictions(level, tier)
         # Per-lookup constants, resolved once: isinstance against a runtime Protocol costs
         # ~10 us a tier, a labelled child ~1 us (issue 16's lookup budget).
         self._placed_ids = {id(t) for t in self.tiers if isinstance(t, PrefixPlaced)}
         self._hit_chunks = tuple(self.metrics.hit_chunks.labels(name) for name in names)
-        self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-writer", daemon=True)
-        self._writer.start()
+        self._behind = WriteBehind(len(self.tiers), config.queue_depth, self._write_one,
+                                   cascade=config.write_policy != "write_back", on_drop=self._dropped,
+                                   on_depth=self.metrics.queue_depth.set)
 
     @classmethod
     def from_config(cls, cfg: KVTierConfig, metrics: Metrics | None = None) -> TieredStore:
@@ -236,14 +233,18 @@ class TieredStore:
     def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], prefix: Sequence[bytes] | None) -> None:
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
             due: list[Entry] = []
+            hits = self._hits
             with self._hits_lock:
                 for i, data in enumerate(run):
-                    self._hits[keys[i]] += 1
-                    if self._hits[keys[i]] == self.config.selective_min_hits:
+                    n = hits.pop(keys[i], 0) + 1
+                    hits[keys[i]] = n
+                    if n == self.config.selective_min_hits:
                         # The queue keeps the entry: a copy, as ``run`` may be the caller's buffers.
                         due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), i))
+                while len(hits) > HITS_REMEMBERED:  # bounded: the least recently loaded go
+                    hits.popitem(last=False)
             if due:
-                self._enqueue(due, 1, prefix)
+                self._behind.enqueue(due, 1, prefix)
 
     # --- store ---------------------------------------------------------------------------
     @property
@@ -260,7 +261,7 @@ class TieredStore:
         False: then only until this returns). Returns #chunks tier 0 accepted.
         ``prefix``: the keys of the prefix the entries belong to (``prefix[d]`` is chunk d), so
         that a prefix-placed tier puts each chunk where lookups of that prefix will ask."""
-        if self._closed:
+        if self._behind.closed:
             raise RuntimeError("TieredStore is closed")
         if not entries:
             return 0
@@ -269,72 +270,54 @@ class TieredStore:
         self._listeners.stored(top.name, entries)
         ok = self._verbs(top, prefix).put(entries)
         accepted = sum(ok)
-        self.metrics.bytes_written.labels(top.name).inc(sum(len(e.data) for e, k in zip(entries, ok) if k))
+        self.metrics.bytes_written.labels(top.name).inc(sum(_nbytes(e.data) for e, k in zip(entries, ok) if k))
         if accepted < len(entries):
             self.metrics.dropped_writes.labels(top.name, "rejected").inc(len(entries) - accepted)
         self._listeners.refused(top.name, entries, ok)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         if len(self.tiers) > 1 and self.config.write_policy == "write_through":
-            self._enqueue(list(entries), 1, prefix)
+            self._behind.enqueue(list(entries), 1, prefix)
         return accepted
 
-    def _enqueue(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
-        with self._enqueue_lock:  # close() puts _STOP under it: nothing lands behind _STOP
-            if self._closed:  # a store() that raced close(): its write-down is not taken
-                self.metrics.dropped_writes.labels(self.tiers[level].name, "closed").inc(len(entries))
-                return
-            try:
-                self._queue.put_nowait((entries, level, prefix))
-            except queue.Full:
-                self.metrics.dropped_writes.labels(self.tiers[level].name, "queue_full").inc(len(entries))
-                return
-        self.metrics.queue_depth.set(self._queue.qsize())
+    def _dropped(self, level: int, reason: str, n: int) -> None:
+        self.metrics.dropped_writes.labels(self.tiers[level].name, reason).inc(n)
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                assert isinstance(item, tuple)
-                job: _Job = item
-                try:
-                    self._write_down(*job)
-                except Exception:  # a tier broke its contract; without this thread, flush() and close() hang
-                    name = self.tiers[job[1]].name
-                    log.exception("write-behind into %s failed; that batch is dropped", name)
-                    self.metrics.dropped_writes.labels(name, "error").inc(len(job[0]))
-            finally:
-                self._queue.task_done()
-                self.metrics.queue_depth.set(self._queue.qsize())
+    def _write_one(self, level: int, entries: list[Entry], prefix: Sequence[bytes] | None) -> None:
+        """The write-behind's put into one tier (on its thread)."""
+        tier = self.tiers[level]
+        self._listeners.stored(tier.name, entries)
+        ok = self._verbs(tier, prefix).put(entries)
+        self.metrics.bytes_written.labels(tier.name).inc(sum(_nbytes(e.data) for e, k in zip(entries, ok) if k))
+        if not all(ok):
+            self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
+        self._listeners.refused(tier.name, entries, ok)
 
-    def _write_down(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
-        cascade = self.config.write_policy == "write_through"
-        for tier in self.tiers[level:]:
-            self._listeners.stored(tier.name, entries)
-            ok = self._verbs(tier, prefix).put(entries)
-            written = sum(len(e.data) for e, k in zip(entries, ok) if k)
-            self.metrics.bytes_written.labels(tier.name).inc(written)
-            if not all(ok):
-                self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
-            self._listeners.refused(tier.name, entries, ok)
-            if not cascade:
-                return
-
-    def _make_evict_listener(self, level: int):  # type: ignore[no-untyped-def]
+    def _listen_to_evictions(self, level: int, tier: Tier) -> None:
+        """Count evictions and tell the listeners; with ``write_back`` (and a tier below) also
+        take the evicted bytes down. Only then does a tier hand the bytes over: a disk tier
+        reads each victim's file for it, under its lock."""
         name = self.tiers[level].name
+        counter = self.metrics.evictions.labels(name, "capacity")
 
-        def on_evict(key: bytes, data: bytes) -> None:
-            self.metrics.evictions.labels(name, "capacity").inc()
+        def evicted(key: bytes) -> None:
+            counter.inc()
             self._listeners.removed(name, (key,))
-            if self.config.write_policy == "write_back" and level + 1 < len(self.tiers) and not self._closed:
-                # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
-                self._enqueue([Entry(key, data)], level + 1, None)
 
-        return on_evict
+        if self.config.write_policy == "write_back" and level + 1 < len(self.tiers):
+            def write_back(key: bytes, data: bytes) -> None:
+                evicted(key)
+                if not self._behind.closed:
+                    # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
+                    self._behind.enqueue([Entry(key, data)], level + 1, None)
+
+            tier.evict_listener = write_back
+        else:
+            tier.evicted_key_listener = evicted
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove ``keys`` from every tier (e.g. a chunk that failed verification)."""
+        """Remove ``keys`` from every tier (e.g. a chunk that failed verification), and from the
+        write-behind queue: a write of them queued before this call is not done."""
+        self._behind.forget(keys)
         total = 0
         for tier in self.tiers:
             n = tier.delete(keys)
@@ -356,18 +339,13 @@ class TieredStore:
     # --- lifecycle -----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the write-behind queue is empty; False if ``timeout_s`` passed first."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        return True
+        return self._behind.flush(timeout_s)
 
     def _refresh_local_usage(self) -> None:
         """At each scrape: the usage gauges of the tiers whose usage is local bookkeeping
         (BoundedTier: cpu, memory, disk). A remote tier's usage is a network call, so its
         gauges move only when :meth:`stats` is asked."""
-        if self._closed:
+        if self._behind.closed:
             return
         for tier in self.tiers:
             if isinstance(tier, BoundedTier):
@@ -388,13 +366,14 @@ class TieredStore:
                               "entries": u.entries}
         return out
 
+    @property
+    def closed(self) -> bool:
+        return self._behind.closed
+
     def close(self) -> None:
-        if self._closed:
+        """Write what is queued, then close the tiers (once, whichever thread calls first)."""
+        if not self._behind.close():
             return
-        self._closed = True
-        with self._enqueue_lock:  # after _closed is set: an enqueue holding it now sees it
-            self._queue.put(_STOP)
-        self._writer.join()
         for tier in self.tiers:
             tier.close()
 
@@ -403,3 +382,8 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nbytes(data: Buf) -> int:
+    """Bytes of a chunk buffer (``len`` of a memoryview counts elements, not bytes)."""
+    return data.nbytes if isinstance(data, memoryview) else len(data)

@@ -365,6 +365,5 @@ def test_a_store_racing_close_leaves_no_task_behind_the_writer() -> None:
     racer.join(5)
     closer.join(5)
     assert not racer.is_alive() and not closer.is_alive()
-    assert store._queue.unfinished_tasks == 0
-    assert store.flush(timeout_s=1)
+    assert store.flush(timeout_s=0)  # nothing left queued
     assert store.metrics.dropped_writes.labels("low", "closed")._value.get() == 1

@@ -122,6 +122,7 @@ bytes, so a disk tier does not read the evicted file for it (kvtier-server's KV 
 class Tier(Protocol):
     name: str
     evict_listener: EvictListener | None
+    evicted_key_listener: EvictedKeyListener | None
 
     def probe(self, keys: Sequence[bytes]) -> Probe: ...
 

@@ -61,7 +61,7 @@ class MemoryTier(BoundedTier):
         return results
 
     def _put_one(self, e: Entry, evicted: list[tuple[bytes, bytes]]) -> bool:
-        size = len(e.data)
+        size = memoryview(e.data).nbytes  # len() of a memoryview counts elements, not bytes
         if size > self.capacity_bytes:
             return False
         old = self._data.pop(e.key, None)

@@ -1,0 +1,134 @@
+"""The store's write-behind: chunks bound for the tiers below tier 0, written by one thread.
+
+A job is (entries, first level, prefix keys). :meth:`WriteBehind.enqueue` never blocks: when the
+bounded queue is full the batch is dropped and counted (the engine is never stalled by a slow
+lower tier). The writer thread puts each job into its level and, when ``cascade``, every level
+below it (``write_through`` and ``write_through_selective``; ``write_back`` moves one level per
+eviction instead).
+
+Deletes win over queued writes: :meth:`forget` marks keys, and a job queued before the mark
+writes none of them (else a chunk deleted as corrupt, or purged as computed over bad blocks,
+came back from the queue after ``delete`` returned). Marks are dropped once no job queued
+before them is left.
+
+Threads: ``enqueue``/``forget``/``flush``/``close`` from any thread; ``write(level, entries,
+prefix)`` runs on the writer thread only. Failure: a ``write`` that raises costs that job
+(logged, counted ``error`` through ``on_drop``), never the thread (flush and close would hang).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvtier.tiers.base import Entry
+
+log = logging.getLogger(__name__)
+
+Write = Callable[[int, list[Entry], Sequence[bytes] | None], None]
+_STOP = object()
+# (entries, first level, prefix keys when known, sequence number when queued)
+_Job = tuple[list[Entry], int, Sequence[bytes] | None, int]
+
+
+class WriteBehind:
+    def __init__(self, levels: int, depth: int, write: Write, cascade: bool,
+                 on_drop: Callable[[int, str, int], None], on_depth: Callable[[int], None]) -> None:
+        """``levels``: tiers in the store; ``on_drop(level, reason, n)``: n chunks bound for
+        ``level`` not written (``closed``, ``queue_full``, ``error``); ``on_depth(n)``: the
+        queue's length after each change."""
+        self._levels, self._write, self._cascade = levels, write, cascade
+        self._on_drop, self._on_depth = on_drop, on_depth
+        self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=depth)
+        self._lock = threading.Lock()  # the closed flag, sequence numbers, delete marks
+        self._closed = False
+        self._seq = 0
+        self._deleted: dict[bytes, int] = {}  # key -> sequence number of its delete
+        self._deleted_upto = 0
+        self._thread = threading.Thread(target=self._loop, name="kvtier-store-writer", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None) -> None:
+        with self._lock:  # close() sets _closed under it: nothing lands behind _STOP
+            if self._closed:  # a store() that raced close(): its write-down is not taken
+                self._on_drop(level, "closed", len(entries))
+                return
+            self._seq += 1
+            try:
+                self._queue.put_nowait((entries, level, prefix, self._seq))
+            except queue.Full:
+                self._on_drop(level, "queue_full", len(entries))
+                return
+        self._on_depth(self._queue.qsize())
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Queued writes of ``keys`` are not done (a delete of them happened after they were queued)."""
+        with self._lock:
+            if self._queue.unfinished_tasks == 0:
+                return
+            self._seq += 1
+            self._deleted_upto = self._seq
+            for key in keys:
+                self._deleted[key] = self._seq
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued job is written; False if ``timeout_s`` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> bool:
+        """Write what is queued, then stop the thread. False if it was closed already."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        # Outside the lock: a full queue waits for the writer, which may itself be enqueueing
+        # (an eviction's write-back) and need the lock to see that we are closed.
+        self._queue.put(_STOP)
+        self._thread.join()
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                assert isinstance(item, tuple)
+                job: _Job = item
+                try:
+                    self._write_job(*job)
+                except Exception:  # a tier broke its contract; without this thread, flush() and close() hang
+                    log.exception("write-behind into level %d failed; that batch is dropped", job[1])
+                    self._on_drop(job[1], "error", len(job[0]))
+            finally:
+                self._queue.task_done()
+                self._on_depth(self._queue.qsize())
+
+    def _write_job(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None, seq: int) -> None:
+        for at in range(level, self._levels if self._cascade else level + 1):
+            entries = self._not_deleted(entries, seq)
+            if not entries:
+                return
+            self._write(at, entries, prefix)
+
+    def _not_deleted(self, entries: list[Entry], seq: int) -> list[Entry]:
+        with self._lock:
+            if not self._deleted:
+                return entries
+            if seq > self._deleted_upto:  # queued after every mark: none applies from here on
+                self._deleted.clear()
+                return entries
+            deleted = self._deleted
+            return [e for e in entries if deleted.get(e.key, 0) < seq]
