@@ -220,8 +220,10 @@ class TieredStore:
         if not self.config.promote_on_load:
             return
         n = len(pending.keys) if count is None else min(count, len(pending.keys))
+        keys = pending.keys  # a leading run: chunk i extends chunk i - 1 (policies weigh it)
         for level in range(1, len(self.tiers)):
-            served = [Entry(pending.keys[i], pending.chunks[i], i) for i in range(n) if pending.levels[i] == level]
+            served = [Entry(keys[i], pending.chunks[i], i, keys[i - 1] if i else b"")
+                      for i in range(n) if pending.levels[i] == level]
             if not served:
                 continue
             for upper in self.tiers[:level]:
@@ -240,7 +242,8 @@ class TieredStore:
                     hits[keys[i]] = n
                     if n == self.config.selective_min_hits:
                         # The queue keeps the entry: a copy, as ``run`` may be the caller's buffers.
-                        due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), i))
+                        due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), i,
+                                         keys[i - 1] if i else b""))
                 while len(hits) > HITS_REMEMBERED:  # bounded: the least recently loaded go
                     hits.popitem(last=False)
             if due:

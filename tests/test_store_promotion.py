@@ -3,6 +3,8 @@ copies into the tiers above happen when the caller says, and only for chunks it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kvtier.cache import PrefixCache
@@ -74,3 +76,33 @@ def test_promote_respects_promote_on_load_off() -> None:
         run = cache.load_verified_into(keys, [(0, 4), (4, 8)], _outs(2), defer_promotion=True)
         cache.promote(run)
         assert len(run.payloads) == 2 and top.contains(keys) == 0
+
+
+class _Recording(MemoryTier):
+    """A memory tier that keeps every entry it was handed (to see the chain links)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+        self.seen: list[Entry] = []
+
+    def put(self, entries):  # type: ignore[no-untyped-def]
+        self.seen.extend(entries)
+        return super().put(entries)
+
+
+def test_promotions_and_selective_write_downs_carry_each_chunks_parent() -> None:
+    """Prefix-aware policies weigh a chunk by its chain; promoted and selectively written
+    chunks came without their parent, so those policies saw every one as a root."""
+    top, lower = _Recording("top"), _Recording("lower")
+    store = TieredStore([top, lower], StoreConfig(write_policy="write_through"))
+    _, _, keys = _saved(store, lower, 3)
+    # From now on a chunk is written down when loaded once (the write-behind cascades either way).
+    store.config = dataclasses.replace(store.config, write_policy="write_through_selective", selective_min_hits=1)
+    top.seen.clear()
+    lower.seen.clear()
+    store.load(keys)  # served by lower: promoted into top, and due for the write-down
+    store.flush(10)
+    for tier in (top, lower):
+        links = {e.key: (e.depth, e.parent) for e in tier.seen}
+        assert [links[k] for k in keys] == [(0, b""), (1, keys[0]), (2, keys[1])], tier.name
+    store.close()

@@ -228,7 +228,8 @@ class DiskTier(DiskIndex):
             self._check_open()
             # An overwrite frees the old file's bytes itself: room only for the difference
             # (else a full tier evicts an unrelated chunk, or refuses a pinned key's overwrite).
-            reused = self._make_room(size - self._index.get(e.key, 0), pending, tmp)
+            with self._sparing(e.parent):
+                reused = self._make_room(size - self._index.get(e.key, 0), pending, tmp)
             if reused is not None:
                 self._reserved += size
         if reused is None:
