@@ -1,7 +1,8 @@
 /* The two per-key loops of a tier probe, in C (optional accelerator of kvtier.tiers.base).
  *
  * check_keys(keys: sequence, width: int) -> None
- *     ValueError unless len(key) == width for every key (kvtier.tiers.base.check_keys).
+ *     ValueError unless len(key) == width for every key, TypeError for a key that is not
+ *     bytes-like (kvtier.tiers.base.check_keys).
  * leading_run(mapping: dict, keys: sequence) -> int
  *     How many leading keys are in mapping (kvtier.tiers.base.leading_run): stops at the
  *     first miss.
@@ -31,6 +32,11 @@ static PyObject *check_keys(PyObject *self, PyObject *args) {
         Py_ssize_t len;
         if (PyBytes_CheckExact(key)) {
             len = PyBytes_GET_SIZE(key);
+        } else if (!PyObject_CheckBuffer(key)) {
+            /* A str of 32 characters has the right len() but is no key (tiers index bytes). */
+            PyErr_Format(PyExc_TypeError, "chunk keys are bytes, got %.100s", Py_TYPE(key)->tp_name);
+            Py_DECREF(seq);
+            return NULL;
         } else {
             Py_INCREF(key);
             len = PyObject_Size(key);

@@ -55,6 +55,17 @@ def test_check_keys_refuses_any_other_width_wherever_it_is(bad: bytes, at: int) 
             check(keys)
 
 
+@pytest.mark.parametrize("bad", ["k" * 32, list(range(32)), 7])
+def test_check_keys_refuses_what_is_not_bytes(bad: object) -> None:
+    """A 32-character str has the right len(): it was stored by the memory and cpu tiers and
+    made the disk tier fail with AttributeError."""
+    c_check_keys, _ = _c_probe()
+    keys = [*KEYS[:3], bad]
+    for check in (lambda k: c_check_keys(k, 32), check_keys_python, check_keys):
+        with pytest.raises(TypeError, match="chunk keys are bytes, got"):
+            check(keys)
+
+
 def test_c_loops_refuse_what_python_refuses() -> None:
     c_check_keys, c_leading_run = _c_probe()
     with pytest.raises(TypeError):

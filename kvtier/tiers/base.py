@@ -191,6 +191,12 @@ C_PROBE = _load_c_probe()
 def check_keys_python(keys: Sequence[bytes]) -> None:
     """:func:`check_keys` in Python (the C loop must agree with it: tests/test_probe_loops.py)."""
     # One C-level pass (map/set) rather than a Python loop.
+    if not set(map(type, keys)) <= {bytes}:
+        for key in keys:  # a str of 32 characters has the right len() but is no key
+            try:
+                memoryview(key)
+            except TypeError:
+                raise TypeError(f"chunk keys are bytes, got {type(key).__name__}") from None
     lengths = set(map(len, keys))
     if lengths and lengths != {KEY_BYTES}:
         bad = next(n for n in lengths if n != KEY_BYTES)
@@ -203,7 +209,7 @@ def leading_run_python(index: Container[bytes], keys: Sequence[bytes]) -> int:
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
-    """Raise ValueError unless every key is exactly KEY_BYTES bytes."""
+    """Raise ValueError unless every key is exactly KEY_BYTES bytes (TypeError: not bytes-like)."""
     # A 128k-token prompt has 512 keys, and every probe of every tier checks them (issue 16's
     # lookup budget): the C loop when built.
     if C_PROBE is not None:
