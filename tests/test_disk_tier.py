@@ -23,6 +23,7 @@ from kvtier.config import DiskTierConfig
 from kvtier.errors import ChunkError, TierUnavailableError
 from kvtier.tiers.base import ABSENT, CORRUPT, EVICTED, Entry, Miss
 from kvtier.tiers.disk import ALIGN, DiskTier, align_up
+from kvtier.tiers.disk import direct_io as io
 from tests.contract import NAMESPACE, chunk_for, key_of
 
 MiB = 1 << 20
@@ -214,13 +215,18 @@ def test_stale_temp_files_are_removed(tmp_path: Path) -> None:
     stale = shard / f".{'ab' * 32}.{dead.pid}.0.tmp"
     live = shard / f".{'ab' * 32}.{os.getppid()}.0.tmp"  # a live writer's file stays
     old = shard / f".{'ab' * 32}.{os.getppid()}.1.tmp"
-    for p in (stale, live, old):
+    # This pid's predecessor (a container's PID 1 restarted) left one: another token, stale;
+    # one of this process's own (another tier object writing) stays.
+    before = shard / f".{'ab' * 32}.{os.getpid()}-{'0' * 8}.2.tmp"
+    mine = shard / f".{'ab' * 32}.{os.getpid()}-{io.WRITER_TOKEN}.3.tmp"
+    for p in (stale, live, old, before, mine):
         p.write_bytes(b"partial")
     past = time.time() - 3600
     os.utime(old, (past, past))
     again = open_tier(tmp_path)
-    assert again.rebuild_stats.tmp_removed == 2
+    assert again.rebuild_stats.tmp_removed == 3
     assert not stale.exists() and live.exists() and not old.exists()
+    assert not before.exists() and mine.exists()
     assert again.usage().entries == 1
 
 

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 TMP_MAX_AGE_S = 600.0  # no write takes this long: older temp files are leftovers
+# Beside the pid in temp names: a process restarted under the same pid (a container's PID 1)
+# must see its predecessor's temp files as stale, not as its own.
+WRITER_TOKEN = os.urandom(4).hex()
 _ZEROS = memoryview(bytes(ALIGN))
 
 
@@ -155,16 +158,19 @@ def verify(view: memoryview, key: bytes, size: int) -> None:
 
 
 def stale_tmp(entry: os.DirEntry[str]) -> bool:
-    """A temp file named ``.<anything>.<pid>.<seq>.tmp`` is stale when it is old or its
-    writer is dead; this process's own are left alone (another tier object may be writing)."""
+    """A temp file named ``.<anything>.<pid>-<token>.<seq>.tmp`` (or, from older versions,
+    ``.<pid>.<seq>.tmp``) is stale when it is old or its writer is dead; this process's own
+    are left alone (another tier object may be writing), a predecessor's under the same pid
+    (another token) are not."""
     try:
         if time.time() - entry.stat().st_mtime >= TMP_MAX_AGE_S:
             return True
-        pid = int(entry.name.split(".")[-3])
+        pid_text, _, token = entry.name.split(".")[-3].partition("-")
+        pid = int(pid_text)
     except (ValueError, IndexError, OSError):
         return True
     if pid == os.getpid():
-        return False
+        return token != WRITER_TOKEN
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -127,8 +127,9 @@ def chunk_path(root: str, key: bytes) -> str:
 
 
 def tmp_path(path: str, key: bytes, seq: int) -> str:
-    """A temp name beside ``path`` (the chunk file of ``key``), unique per process and ``seq``."""
-    return f"{path[: -len(SUFFIX) - 2 * KEY_BYTES]}.{key.hex()}.{os.getpid()}.{seq}.tmp"
+    """A temp name beside ``path`` (the chunk file of ``key``), unique per process and ``seq``
+    (direct_io.stale_tmp reads the pid and token back)."""
+    return f"{path[: -len(SUFFIX) - 2 * KEY_BYTES]}.{key.hex()}.{os.getpid()}-{io.WRITER_TOKEN}.{seq}.tmp"
 
 
 def make_shards(root: str) -> None:
