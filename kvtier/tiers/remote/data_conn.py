@@ -51,7 +51,7 @@ from kvtier.protocol.session import GetReplyCollector
 from kvtier.protocol.socket_io import read_frame, send_all, set_kernel_timeouts
 from kvtier.tiers.remote.shm_map import map_offer, release_arena
 
-__all__ = ["DataConn"]
+__all__ = ["DataConn", "DeadlinePassed"]
 
 
 def _load_c_recv_chunks() -> Callable[..., tuple[int, int, float]] | None:
@@ -71,6 +71,12 @@ _UNPACK = HEADER.unpack_from
 C_RECV_CHUNKS = _load_c_recv_chunks()
 # get_visit's consumer: (index, read-only view of chunk ``index``), the view valid for the call.
 Visit = Callable[[int, memoryview], None]
+
+
+class DeadlinePassed(TimeoutError):
+    """:meth:`DataConn.set_deadline` found no time left (no socket call was made). Mid-request
+    it is a timeout like any other; before a request was sent the caller maps it to a
+    timeout that does not mark the node down."""
 
 
 class DataConn:
@@ -115,7 +121,7 @@ class DataConn:
         _REARM_S after it: once per request, then every _REARM_S, rather than once per frame."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError("deadline passed")
+            raise DeadlinePassed("deadline passed")
         if self.tls:
             self.sock.settimeout(left)
             return
@@ -123,6 +129,15 @@ class DataConn:
             return
         set_kernel_timeouts(self.sock, left)
         self._armed = left
+
+    def arm(self, deadline: float) -> bool:
+        """:meth:`set_deadline` before a request is sent: False (nothing armed) when the
+        deadline has passed, for the caller to fail without blaming the node."""
+        try:
+            self.set_deadline(deadline)
+        except DeadlinePassed:
+            return False
+        return True
 
     @property
     def _armed_until(self) -> float:

@@ -58,7 +58,14 @@ from kvtier.protocol.wire import placed_bytes
 from kvtier.tiers.base import ABSENT, ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe
 from kvtier.tiers.remote.batching import RequestCutter
 from kvtier.tiers.remote.data_conn import DataConn, Visit
-from kvtier.tiers.remote.errors import REQUEST_CODES, NodeError, check_chunk, io_error, refused
+from kvtier.tiers.remote.errors import (
+    REQUEST_CODES,
+    NodeError,
+    check_chunk,
+    io_error,
+    no_time_left,
+    refused,
+)
 from kvtier.tiers.remote.heap import retain_freed_blocks
 
 T = TypeVar("T")
@@ -86,8 +93,8 @@ class SocketDataPath:
     # --- connections ------------------------------------------------------------------------------
     def connect(self, deadline: float) -> DataConn:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no time left to connect", down=True)
+        if left <= 0:  # the caller is late, the node did nothing wrong: not a reason to mark it down
+            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no time left to connect", down=False)
         try:
             sock = socket.create_connection((self.host, self.port), timeout=left)
         except TimeoutError:
@@ -101,7 +108,8 @@ class SocketDataPath:
             else:
                 sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO/SO_SNDTIMEO
             conn = DataConn(sock, self.limits)
-            conn.set_deadline(deadline)
+            if not conn.arm(deadline):  # connected, nothing sent yet: the caller is late
+                raise no_time_left(f"data path {self.host}:{self.port} handshake")
             send_all(conn.sock, encode_hello(self.token))
             frame = conn.read(deadline)
             if frame.type == FRAME_ERROR:
@@ -125,6 +133,16 @@ class SocketDataPath:
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no free connection in time", down=False)
         return self._take(deadline)
+
+    def _checkout_armed(self, deadline: float, what: str) -> DataConn:
+        """:meth:`_checkout`, with the connection's socket deadline armed for a request. No time
+        left before anything was sent is the caller's lateness (a wave or a retry that started
+        late), never the node's: NodeError(TIMEOUT, down=False), the connection back in the pool."""
+        conn = self._checkout(deadline)
+        if not conn.arm(deadline):
+            self._checkin(conn, True)
+            raise no_time_left(f"data path {self.host}:{self.port} {what}")
+        return conn
 
     def _checkout_now(self, deadline: float) -> DataConn | None:
         """A connection if one is free now (idle or new), else None: no wait."""
@@ -242,10 +260,9 @@ class SocketDataPath:
 
     def _get(self, keys: Sequence[bytes], targets: Sequence[memoryview] | None,
              deadline: float, visit: Visit | None = None) -> list[bytes | int | str]:
-        conn = self._checkout(deadline)
+        conn = self._checkout_armed(deadline, "GET")
         ok = False
         try:
-            conn.set_deadline(deadline)
             conn.targets = targets
             send_all(conn.sock, encode_get(keys))
             read = conn.read_reply if not conn.tls else conn.collect_reply  # TLS: no MSG_WAITALL
@@ -292,7 +309,9 @@ class SocketDataPath:
             if OP_LOOKUP not in conn.ops:
                 ok = True
                 return None
-            conn.set_deadline(deadline)
+            if not conn.arm(deadline):
+                ok = True  # nothing was sent: the connection is still in step
+                raise no_time_left(f"data path {self.host}:{self.port} LOOKUP")
             send_all(conn.sock, encode_lookup(keys))
             frame = conn.read(deadline)
             ok = frame.type != FRAME_ERROR  # a refused LOOKUP is a protocol error: the server hangs up
@@ -318,10 +337,9 @@ class SocketDataPath:
         return out
 
     def _put(self, entries: Sequence[Entry | FilledEntry], deadline: float) -> list[bool]:
-        conn = self._checkout(deadline)
+        conn = self._checkout_armed(deadline, "PUT")
         ok = False
         try:
-            conn.set_deadline(deadline)
             last = len(entries) - 1
             if conn.shm is not None:
                 self._put_shm(conn, entries)

@@ -36,6 +36,21 @@ class NodeError(Exception):
         self.code = code
 
 
+def rpc_error(exc: grpc.RpcError, what: str) -> NodeError:
+    """A failed RPC: a deadline or transport failure is the node's (``down``), a refusal of the
+    request (:data:`REQUEST_ERRORS`) is not."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    message = f"{what}: {code.name if code else '?'}: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return NodeError(TIMEOUT, message, down=True, code="DEADLINE_EXCEEDED")
+    if code in REQUEST_ERRORS:
+        return NodeError(ERROR, message, down=False, code=code.name)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return NodeError(NODE_DOWN, message, down=True, code=code.name)
+    return NodeError(ERROR, message, down=True, code=code.name if code else "UNKNOWN")
+
+
 def check_chunk(key: bytes, chunk: B) -> B | Miss:
     """Cheap guard on what a node returns: a chunk header (checksummed) naming ``key``.
     The payload checksum is left to the reader that decodes the chunk."""
@@ -50,6 +65,12 @@ def io_error(exc: BaseException, what: str) -> NodeError:
     if isinstance(exc, ProtocolError):
         return NodeError(ERROR, f"{what}: protocol error: {exc}", down=False)
     return NodeError(NODE_DOWN, f"{what}: {exc}", down=False)
+
+
+def no_time_left(what: str) -> NodeError:
+    """A request never sent because its deadline had passed: the caller is late (a late wave
+    or retry), the node is not to blame (``down=False``)."""
+    return NodeError(TIMEOUT, f"{what}: no time left before the request was sent", down=False)
 
 
 def refused(error: tuple[int, str], what: str) -> NodeError:

@@ -131,7 +131,7 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
                         out[pos] = value
                         answered.add(pos)
         for fut, (name, _) in pending.items():  # abandoned slow calls: still mark their node
-            fut.add_done_callback(partial(_late, client=view.clients[name], failed=failed))
+            fut.add_done_callback(partial(late_failure, client=view.clients[name], failed=failed))
         todo = [p for p in range(n) if p not in done_keys and live_next(p) is not None
                 and not any(p in ps for _, ps in pending.values())]
     return out
@@ -145,7 +145,9 @@ def _only_node(placement: Sequence[Sequence[str]]) -> str | None:
     return first[0] if all(p == first for p in placement) else None
 
 
-def _late(fut: Future[Sequence[V | Miss]], client: NodeClient, failed: Callable[[NodeClient, NodeError], None]) -> None:
+def late_failure(fut: Future[object], client: NodeClient, failed: Callable[[NodeClient, NodeError], None]) -> None:
+    """Done-callback of a call nobody waits for any more: its NodeError still goes to ``failed``
+    (a hung node is marked down when its call times out)."""
     exc = fut.exception()
     if isinstance(exc, NodeError):
         failed(client, exc)

@@ -9,9 +9,17 @@ opens the channel and fetches Info (and with it the data path); :meth:`close_if_
 both again once no call has used them for a while, and the next call reopens them. So a client
 of 100 nodes holds sockets only to the nodes its recent requests touched.
 
+Data path: attached by Info; a verb's attach (the first call, a reopen after idle, a retry)
+gets only a share of the verb's deadline (``_ATTACH_SHARE`` x ``timeout_s``), so that a data
+port that swallows connections leaves the gRPC fallback most of the time. After a failed attach
+or a broken path gRPC carries the bytes; the next attach comes ``_DATA_RETRY_S`` later, doubling
+per failure up to ``_DATA_RETRY_MAX_S``. Marking the node down closes its data path (and with
+it the node's shared memory in this process); Info re-attaches it when the node is back.
+
 Threads: all methods may be called from any thread; the grpc channel is thread-safe, the
-data-path connections are pooled (one caller per connection at a time) and liveness and
-open/close state change under a lock.
+data-path connections are pooled (one caller per connection at a time) and liveness,
+open/close state and which data path is current change under a lock; one caller at a time
+claims a due re-attach.
 """
 
 from __future__ import annotations
@@ -34,26 +42,16 @@ from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe, copy_into
 from kvtier.tiers.remote.channel import channel_options, client_ssl_context
 from kvtier.tiers.remote.data_path import SocketDataPath
-from kvtier.tiers.remote.errors import REFUSALS, REQUEST_ERRORS, NodeError, check_chunk
+from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk, rpc_error
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bytes, memoryview)
 R = TypeVar("R")
-_DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long
+_DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long,
+_DATA_RETRY_MAX_S = 120.0  # doubling per failure in a row up to this
+_ATTACH_SHARE = 0.1  # of timeout_s: what a verb's data-path attach may take of its deadline
+_ATTACH_MIN_S = 0.05  # ...but at least this (a TLS or shm handshake on a short timeout_s)
 _PUT_MESSAGE_BYTES = 8 << 20  # chunks per PutRequest message, by bytes (bigger: more latency)
-
-
-def rpc_error(exc: grpc.RpcError, what: str) -> NodeError:
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    message = f"{what}: {code.name if code else '?'}: {details}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return NodeError(TIMEOUT, message, down=True, code="DEADLINE_EXCEEDED")
-    if code in REQUEST_ERRORS:
-        return NodeError(ERROR, message, down=False, code=code.name)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return NodeError(NODE_DOWN, message, down=True, code=code.name)
-    return NodeError(ERROR, message, down=True, code=code.name if code else "UNKNOWN")
 
 
 class NodeClient:
@@ -68,7 +66,8 @@ class NodeClient:
         self.info: pb.InfoReply | None = None
         self.max_chunk_bytes = cfg.max_message_bytes - (1 << 20)
         self.data: SocketDataPath | None = None  # the fast path, once Info advertised one
-        self._data_retry_at = 0.0
+        self._data_retry_at = 0.0  # when a failed data path is tried again (0: not due)
+        self._data_failures = 0  # failed attaches or broken paths in a row (the retry backoff)
         self._token = token
         self.host = address.rsplit(":", 1)[0].strip("[]")
         self._lock = threading.Lock()
@@ -99,7 +98,7 @@ class NodeClient:
             if self.info is None:
                 with self._open_lock:
                     if self.info is None:
-                        self.fetch_info(deadline)
+                        self.fetch_info(deadline, attach_share=True)
             yield self
         finally:
             with self._lock:
@@ -145,8 +144,12 @@ class NodeClient:
 
     # --- liveness -------------------------------------------------------------------------------
     def mark_down(self, reason: str) -> bool:
-        """Returns True when this call took the node down (it was up)."""
+        """Returns True when this call took the node down (it was up). Closes the data path:
+        its idle connections (and their shared segments and the arena mapping) now, those
+        that calls still hold when they are handed back; Info re-attaches it when the node
+        is back (the upkeep probe)."""
         with self._lock:
+            data, self.data = self.data, None
             was_up = self.up
             if was_up:
                 self.backoff = self.cfg.backoff_s
@@ -156,6 +159,8 @@ class NodeClient:
             self.down_reason = reason
             # Jitter so that many clients do not probe a recovering node in lockstep.
             self.next_probe = time.monotonic() + self.backoff * random.uniform(0.8, 1.2)
+        if data is not None:
+            data.close()
         if was_up:
             log.warning("grpc tier: node %s down (%s); probing again in %.2fs", self.address, reason, self.backoff)
         return was_up
@@ -175,7 +180,10 @@ class NodeClient:
             raise NodeError(TIMEOUT, f"{self.address}: no time left before the deadline", down=False)
         return left
 
-    def fetch_info(self, deadline: float) -> pb.InfoReply:
+    def fetch_info(self, deadline: float, attach_share: bool = False) -> pb.InfoReply:
+        """Info, then the data path it advertises, attached by ``deadline`` or, with
+        ``attach_share`` (a verb's call), by its share of it. NodeError when Info fails; a data
+        path that fails only logs."""
         try:
             info = self._ensure_channel().Info(pb.InfoRequest(), timeout=self._timeout(deadline),
                                                metadata=self.metadata)
@@ -183,18 +191,28 @@ class NodeClient:
             raise rpc_error(exc, f"{self.address} Info") from None
         self.info = info
         self.max_chunk_bytes = min(info.max_chunk_bytes, self.cfg.max_message_bytes - (1 << 20))
-        self.attach_data_path(deadline)
+        self.attach_data_path(self._attach_deadline(deadline) if attach_share else deadline)
         return info
 
+    def _attach_deadline(self, deadline: float) -> float:
+        """A verb's data-path attach ends by this: its share of ``deadline``, the rest for the
+        call itself (over gRPC when the attach fails)."""
+        share = max(self.cfg.timeout_s * _ATTACH_SHARE, _ATTACH_MIN_S)
+        return min(deadline, time.monotonic() + share)
+
     def attach_data_path(self, deadline: float) -> None:
-        """Open the fastest data path ``config.data_path`` allows among those Info advertised;
-        on failure (or none advertised) chunk bytes use gRPC and a retry comes later."""
-        old, self.data = self.data, None
+        """Open the fastest data path ``config.data_path`` allows among those Info advertised
+        (closing the current one: calls holding its connections finish first); on failure (or
+        none advertised) chunk bytes use gRPC and a retry comes after the backoff (see the
+        module docstring). Never raises NodeError."""
+        with self._lock:
+            old, self.data = self.data, None
         if old is not None:
             old.close()
-        kinds = {e.kind: e for e in self.info.data_endpoints} if self.info else {}
+        info = self.info
+        kinds = {e.kind: e for e in info.data_endpoints} if info else {}
         endpoint = kinds.get("socket")
-        if self.cfg.data_path == "grpc" or endpoint is None or self.info is None:
+        if self.cfg.data_path == "grpc" or endpoint is None or info is None:
             return
         host = endpoint.address or self.host
         # Shared memory only towards this host: "auto" takes it for a loopback address, "shm"
@@ -203,17 +221,35 @@ class NodeClient:
                                   (self.cfg.data_path == "auto" and is_loopback(host)))
         tls = client_ssl_context(self.cfg) if endpoint.tls else None
         data = SocketDataPath(host, endpoint.port, self._token, tls, self.cfg.tls_server_name or host,
-                              WireLimits(self.max_chunk_bytes, self.info.max_batch_keys or 4096),
+                              WireLimits(self.max_chunk_bytes, info.max_batch_keys or 4096),
                               self.cfg.connections, shm=shm)
         try:
             data.handshake(deadline)  # connect + handshake now: fail early
         except NodeError as exc:
             data.close()
-            self._data_retry_at = time.monotonic() + _DATA_RETRY_S
-            log.warning("grpc tier: %s: data path unusable (%s); chunk bytes go over gRPC", self.address, exc)
+            wait = self._data_retry_later()
+            log.warning("grpc tier: %s: data path unusable (%s); chunk bytes go over gRPC, retry in %.0fs",
+                        self.address, exc, wait)
             return
-        self.data = data
+        with self._lock:
+            closed = self.closed  # close() ran meanwhile: it must not be left open
+            if not closed:
+                old, self.data = self.data, data  # a concurrent attach's path, if any, is replaced
+                self._data_failures = 0
+        if closed:
+            data.close()
+            return
+        if old is not None:
+            old.close()
         log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
+
+    def _data_retry_later(self) -> float:
+        """Schedule the next attach after one more failure; returns the wait in seconds."""
+        with self._lock:
+            self._data_failures += 1
+            wait = min(_DATA_RETRY_S * 2 ** (self._data_failures - 1), _DATA_RETRY_MAX_S)
+            self._data_retry_at = time.monotonic() + wait
+        return wait
 
     def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
         """Leading ``keys`` present: over the data path when the node serves LOOKUP there and a
@@ -275,11 +311,18 @@ class NodeClient:
 
     # --- chunk bytes, fastest path --------------------------------------------------------------
     def _data_path(self, deadline: float) -> SocketDataPath | None:
-        if self.data is None and self.info is not None and self._data_retry_at and \
-                time.monotonic() >= self._data_retry_at:
-            self._data_retry_at = 0.0
-            self.attach_data_path(deadline)
-        return self.data
+        """The current data path; when none and a retry is due, this caller (one only: the
+        claim is made under the lock) attaches it within its share of ``deadline``."""
+        with self._lock:
+            data = self.data
+            due = (data is None and self.info is not None and not self.closed and self._data_retry_at > 0
+                   and time.monotonic() >= self._data_retry_at)
+            if due:
+                self._data_retry_at = 0.0  # claimed: concurrent callers use gRPC meanwhile
+        if due:
+            self.attach_data_path(self._attach_deadline(deadline))
+            data = self.data
+        return data
 
     def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
         return self._fast_or_grpc(deadline, lambda data: data.get(keys, deadline),
@@ -316,17 +359,21 @@ class NodeClient:
             except NodeError as exc:
                 if exc.reason == TIMEOUT or exc.code in REFUSALS:
                     raise
-                self._data_failed(exc)
+                self._data_failed(data, exc)
         return grpc_call()
 
-    def _data_failed(self, exc: NodeError) -> None:
-        """The data path broke but the node may be fine: use gRPC until the next Info."""
-        log.warning("grpc tier: data path to %s failed (%s); using gRPC for %.0fs", self.address, exc,
-                    _DATA_RETRY_S)
-        self._data_retry_at = time.monotonic() + _DATA_RETRY_S
-        data, self.data = self.data, None
-        if data is not None:
-            data.close()
+    def _data_failed(self, data: SocketDataPath, exc: NodeError) -> None:
+        """``data`` broke but the node may be fine: gRPC carries the bytes until the retry.
+        Only the current path is dropped: one that mark_down or a newer attach already
+        replaced stays as it is (closed, or the new one in use)."""
+        with self._lock:
+            current = self.data is data
+            if current:
+                self.data = None
+        data.close()
+        if current:
+            wait = self._data_retry_later()
+            log.warning("grpc tier: data path to %s failed (%s); using gRPC for %.0fs", self.address, exc, wait)
 
     def close(self) -> None:
         """Final: later calls raise NodeError, and none reopens a channel."""

@@ -8,7 +8,8 @@ itself. Writes go to the live replicas; reads ask the first live replica and mov
 next one on a miss; a read whose node has not answered after ``hedge_after`` x ``timeout_s``
 also asks the next replica (hedging) and takes whichever answers first. A probe asks the
 groups in waves (4, then 8, 16, ... groups) and stops at the first wave with a missing key,
-so a short hit never asks the nodes of the groups behind it.
+so a short hit never asks the nodes of the groups behind it; a key counts once any live
+replica confirms it (``probe``: holes on one replica hide nothing, a hung one is not waited for).
 
 Membership (``cluster``): a static ``nodes`` list or ``discovery`` re-resolved in the
 background; nodes that appear are used from the next call on, nodes that vanish are drained
@@ -18,9 +19,10 @@ Deadlines: every verb computes one deadline (``timeout_s`` from its start) and e
 data-path exchange gets the time left; per-node work runs in parallel, so a verb returns
 within ``timeout_s`` plus scheduling noise whatever the nodes do.
 
-Failure: a node that times out or fails at the transport is marked down; while down it gets
-no traffic and its keys miss with reason ``node_down`` (``timeout`` for the call that found
-out). The upkeep thread calls Info on down nodes after ``backoff_s``, doubling up to
+Failure: a node that times out or fails at the transport is marked down (and its data path
+closed); while down it gets no traffic and its keys miss with reason ``node_down``
+(``timeout`` for the call that found out). A call that had no time left before it sent
+anything is a ``timeout`` that marks nothing. The upkeep thread calls Info on down nodes after ``backoff_s``, doubling up to
 ``backoff_max_s``, and marks them up when they answer. Nothing is raised into the caller
 except for caller bugs (``ValueError``) and use after ``close`` (``RuntimeError``).
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
@@ -43,9 +45,6 @@ from kvtier.chunk import header_names
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import (
-    ABSENT,
-    NODE_DOWN,
-    TIMEOUT,
     Entry,
     FilledEntry,
     Miss,
@@ -62,6 +61,7 @@ from kvtier.tiers.remote.membership import Resolver, resolver_for, static_resolv
 from kvtier.tiers.remote.node import NodeClient
 from kvtier.tiers.remote.placement import place, probe_waves
 from kvtier.tiers.remote.prefix import Prefix, PrefixVerbs
+from kvtier.tiers.remote.probe import probe_replicas
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,6 +73,16 @@ def is_whole_chunk(entry: Entry) -> bool:
     """The header (checksummed) names the entry's key and its length (payload checksum: the
     node checks it; a chunk corrupted in this process's memory still fails its batch)."""
     return header_names(entry.data, entry.key)
+
+
+def byte_view(buf: memoryview) -> memoryview:
+    """``buf`` as one flat run of bytes: the data paths slice, size and fill buffers by
+    bytes, and a view of another format or shape would be sliced by its elements."""
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError(f"get_into needs C-contiguous buffers, got one of shape {view.shape} "
+                         f"strides {view.strides}")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class GrpcTier(TierBase):
@@ -201,25 +211,8 @@ class GrpcTier(TierBase):
         # Waves spare the nodes of later groups a short hit; when every key has the same
         # replicas (one node, say) there are none to spare: one request asks for them all.
         same = all(p == placement[0] for p in placement)
-        for lo, hi in [(0, len(keys))] if same else probe_waves(anchors):
-            per_node: dict[str, list[int]] = defaultdict(list)  # node -> positions of its keys
-            for pos in range(lo, hi):
-                for n in self._live(view, placement[pos]):
-                    per_node[n].append(pos)
-            results = self._fanout([(n, self._job(view.clients[n], deadline, partial(
-                NodeClient.lookup, keys=[keys[j] for j in p], deadline=deadline))) for n, p in per_node.items()])
-            present: set[int] = set()
-            failed: dict[str, str] = {}
-            for n, result in results.items():
-                if isinstance(result, NodeError):
-                    self._failed(view.clients[n], result)
-                    failed[n] = result.reason
-                else:
-                    present.update(per_node[n][: result.hits])
-            for pos in range(lo, hi):
-                if pos not in present:
-                    return Probe(pos, _miss_reason(placement[pos], failed, results))
-        return Probe(len(keys))
+        waves = [(0, len(keys))] if same else probe_waves(anchors)
+        return probe_replicas(view, keys, placement, waves, self._pool, deadline, self._failed)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | Miss]:
         return self._get_in(keys, None)
@@ -235,10 +228,13 @@ class GrpcTier(TierBase):
     def _get_into_in(self, keys: Sequence[bytes], outs: Sequence[memoryview], prefix: Prefix | None
                      ) -> list[int | Miss]:
         """Chunk bytes land in ``outs`` directly (data path: ``recv_into`` the caller's buffer).
-        Hedging is off here: two nodes must never write one caller buffer at once."""
+        Hedging is off here: two nodes must never write one caller buffer at once. Any
+        C-contiguous buffer works (a float16 array's view, say): sizes and results are in
+        bytes, the same on every data path; ValueError for one that is not contiguous."""
         check_keys(keys)
         if len(keys) != len(outs):
             raise ValueError(f"get_into got {len(keys)} keys and {len(outs)} buffers")
+        outs = [byte_view(o) for o in outs]
         self._check_open()
         return self._read(keys, prefix, lambda node, pos, deadline: node.get_into(
             [keys[j] for j in pos], [outs[j] for j in pos], deadline), hedge=False)
@@ -372,11 +368,3 @@ class GrpcTier(TierBase):
         # its result() would raise CancelledError into them.
         self._pool.shutdown(wait=False)
 
-
-def _miss_reason(reps: list[str], failed: dict[str, str], results: Mapping[str, object]) -> str:
-    live = [n for n in reps if n in results and n not in failed]
-    if live:
-        first = results[live[0]]
-        return first.reason if isinstance(first, Probe) else ABSENT
-    reasons = [failed[n] for n in reps if n in failed]
-    return TIMEOUT if TIMEOUT in reasons else (reasons[0] if reasons else NODE_DOWN)
