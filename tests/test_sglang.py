@@ -65,3 +65,7 @@ def test_backend_on_real_sglang_pools_every_layout_tier_and_failure() -> None:
 
 def test_controller_threads_faults_two_tp_ranks_and_pages_shared_with_transformers() -> None:
     run_checks("check_controller.py", "check_xengine.py", "check_tp.py")
+
+
+def test_attach_refusals_weights_revision_slots_and_placement_on_a_cluster() -> None:
+    run_checks("check_attach.py", "check_placement.py")

@@ -15,6 +15,11 @@ seeds its page chain with the request's ``extra_key`` / ``cache_salt`` (kvtier.k
 page_hash_seed), so different tenants never produce the same page hash, and ``salt_hex``
 separates whole deployments on a shared cluster.
 
+Weights: the model id is SGLang's ``model_name``, which is ``--served-model-name`` when given,
+so it does not tell checkpoints apart; the revision comes from the checkpoint the server loaded
+(``--model-path``, ``--revision``: served.py), so two checkpoints served under one name never
+share pages.
+
 Pure: imports no SGLang (the storage config is duck-typed).
 """
 
@@ -34,6 +39,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, KVLayout, NamespaceSpec, xengine_key
 
 from .pages import PageGeometry
+from .served import served_kv_cache_dtype, served_model, served_nnodes
 from .settings import SglangSettings
 
 log = logging.getLogger(__name__)
@@ -58,17 +64,6 @@ def check_supported(storage_config: Any) -> None:
 SGLANG_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-def _served_kv_cache_dtype() -> str:
-    """The running server's ``--kv-cache-dtype`` where SGLang's runtime context has one, else
-    "" (a CPU harness with no server, or a version that keeps it elsewhere)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        return str(getattr(get_server_args(), "kv_cache_dtype", "") or "")
-    except (ImportError, AttributeError, RuntimeError, ValueError):  # ValueError: not set yet
-        return ""
-
-
 def kv_dtype_of(geo: PageGeometry, settings: SglangSettings) -> str:
     """The namespace's KV dtype. SGLang keeps fp8 KV (e4m3 and e5m2 alike) in uint8 buffers, so
     the host pool's dtype cannot tell them apart, and two instances with different fp8 formats
@@ -89,7 +84,7 @@ def kv_dtype_of(geo: PageGeometry, settings: SglangSettings) -> str:
         return pool
     if named:
         return named
-    served = SGLANG_FP8.get(_served_kv_cache_dtype())
+    served = SGLANG_FP8.get(served_kv_cache_dtype() or "")
     if served is None:
         raise ConfigError("sglang.kv_dtype: the host pool holds KV as uint8, which is how SGLang "
                           "keeps every fp8 format, so the pages do not say which; set it to the "
@@ -119,22 +114,87 @@ def namespace_spec(storage_config: Any, geo: PageGeometry, cfg: KVTierConfig,
         rank, world = pp_rank * tp_size + tp_rank, pp_size * tp_size
     layout = KVLayout(num_layers=geo.layers, num_kv_heads=geo.heads, head_dim=geo.head_dim,
                       chunk_tokens=geo.page_tokens, kv=geo.kv)
-    # SGLang names no revision: a hub model's is the commit of its cached snapshot, a local
-    # directory's the fingerprint of its files (kvtier.checkpoint.model_revision; the same
-    # transformers and vLLM compute), so updated weights are never served the old pages.
-    revision = settings.model_revision or model_revision(str(storage_config.model_name or ""))
     return NamespaceSpec(model_id=model_id, layout=layout, kv_dtype=dtype,
-                         model_revision=revision, rank=rank, world_size=world,
+                         model_revision=weights_revision(storage_config, settings),
+                         rank=rank, world_size=world,
                          salt=cfg.salt, hash_name="sha256")
 
 
-def fit_slots(cfg: KVTierConfig, geo: PageGeometry) -> KVTierConfig:
-    """``cfg`` with ``cpu.slot_bytes`` raised to hold one page chunk when it is smaller (a page
-    larger than a slot would be refused on every put: a cache that never hits)."""
-    need = -(-(HEADER_SIZE + geo.page_bytes) // 4096) * 4096
-    if not cfg.cpu.enabled or cfg.cpu.slot_bytes >= need:
+def weights_revision(storage_config: Any, settings: SglangSettings) -> str:
+    """The namespace's model revision: ``sglang.model_revision`` when set; else that of the
+    checkpoint the server loaded (``--model-path`` at ``--revision``; served.py); else, where
+    no server configuration is published, that of SGLang's ``model_name``. A hub id's is the
+    commit of its cached snapshot, a local directory's the fingerprint of its files
+    (kvtier.checkpoint.model_revision: what transformers and vLLM compute), so updated weights
+    are never served the old pages. ``model_name`` alone is not enough: it is
+    ``--served-model-name`` when given, and two checkpoints served under one name shared pages
+    (found by an audit). "" (with a warning) where nothing names the weights."""
+    if settings.model_revision:
+        return settings.model_revision
+    served = served_model()
+    if served is not None:
+        source, revision = served.path, model_revision(served.path, served.revision)
+    else:
+        source = str(storage_config.model_name or "")
+        revision = model_revision(source)
+    if not revision:
+        log.warning("sglang.model_revision: nothing names the weights of %r (neither a local "
+                    "directory nor a Hugging Face hub id in the local cache, and no --revision): "
+                    "pages are keyed by the model id alone, so other weights served under the same "
+                    "id would share them; set sglang.model_revision", source)
+    return revision
+
+
+def check_rank_sharing(storage_config: Any, cfg: KVTierConfig) -> None:
+    """Refuse (ConfigError) an MLA model with ``tp_size`` > 1 on a store no TP rank shares.
+
+    Why: an MLA latent is the same on every TP rank, so SGLang's controller backs a page up on
+    its storage-writer rank alone (``backup_skip`` on the others) and MIN-reduces the per-rank
+    ``batch_exists`` over the TP group. With only the process-local cpu tier the other ranks
+    never hold a page and the reduced hit is 0 forever: L3 that stores and never serves. A
+    local disk is shared by the ranks of one host; where the server spans hosts (``--nnodes``
+    > 1) and disk is the only shared tier, the path must be a filesystem every host mounts:
+    warned, not refused (a network filesystem is a valid set-up)."""
+    tp_size = int(storage_config.tp_size)
+    if not storage_config.is_mla_model or tp_size <= 1:
+        return
+    if not (cfg.disk.enabled or cfg.redis.enabled or cfg.grpc.enabled):
+        raise ConfigError(
+            f"disk.enabled / redis.enabled / grpc.enabled: an MLA model with tp_size {tp_size} needs "
+            f"a tier its TP ranks share: SGLang stores each page from its storage-writer rank "
+            f"alone, so with only the process-local cpu tier the other ranks never hold it and "
+            f"the TP-wide hit is always 0. Enable disk (shared by the ranks of one host), redis "
+            f"or grpc (kvtier-server) in --hicache-storage-backend-extra-config")
+    nnodes = served_nnodes()
+    if nnodes is not None and nnodes > 1 and not (cfg.redis.enabled or cfg.grpc.enabled):
+        log.warning("disk.path: an MLA model with tp_size %d on %d nodes writes each page from one "
+                    "rank; ranks on other hosts hit only if %s is a filesystem every host shares "
+                    "(else enable redis or grpc)", tp_size, nnodes, cfg.disk.path)
+
+
+def fit_slots(cfg: KVTierConfig, geo: PageGeometry, *, slot_named: bool) -> KVTierConfig:
+    """``cfg`` with ``cpu.slot_bytes`` fitted to this pool's page chunk (header + page, rounded
+    up to 4 KiB). The cpu tier keeps one chunk per slot whatever its length: slots much larger
+    than a page waste the rest (at ``--page-size 1`` the 4 MiB default held 2 KiB pages, 256 in
+    a 1 GiB tier, while ``batch_set_v1`` reported every page stored), and a page larger than a
+    slot is refused on every put (a cache that never hits).
+    ``slot_named`` False (cpu.slot_bytes not set anywhere: settings.slot_bytes_named): one slot
+    is one page chunk. True: the value is raised to one page chunk when smaller, kept
+    otherwise, with a warning when more than half of each slot would stay unused."""
+    if not cfg.cpu.enabled:
         return cfg
-    log.info("cpu.slot_bytes %d < one page chunk (%d bytes): using %d", cfg.cpu.slot_bytes, need, need)
+    chunk = HEADER_SIZE + geo.page_bytes
+    need = -(-chunk // 4096) * 4096
+    slot = cfg.cpu.slot_bytes
+    if slot_named and slot >= need:
+        if chunk < slot // 2:
+            log.warning("cpu.slot_bytes: %d-byte slots hold %d-byte page chunks, leaving %d%% of "
+                        "each unused (the tier keeps %d pages); leave cpu.slot_bytes unset to size "
+                        "slots to one page (%d bytes)", slot, chunk, 100 * (slot - chunk) // slot,
+                        cfg.cpu.capacity_bytes // slot, need)
+        return cfg
+    if slot_named:
+        log.info("cpu.slot_bytes %d < one page chunk (%d bytes): using %d", slot, chunk, need)
     cpu = dataclasses.replace(cfg.cpu, slot_bytes=need, capacity_bytes=max(cfg.cpu.capacity_bytes, need))
     return dataclasses.replace(cfg, cpu=cpu)
 

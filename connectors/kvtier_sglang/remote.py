@@ -15,6 +15,12 @@ tier (kvtier-server nodes):
   page copied from the pool straight into the segment and framed there, its reference sent at
   once, so the server verifies and stores page i while page i+1 is copied.
 
+Placement: ``get_visit`` and ``put_filled`` place every key by itself (they take no prefix).
+On a cluster where a prefix places pages by their group (several nodes, ``group_chunks`` > 1;
+prefix.py) they would ask other nodes than the store's prefix-placed verbs, so the backend uses
+them only where ``places_alike`` says both reach the same nodes (one node, one chunk per group,
+no prefix known, or a batch that happens to agree); otherwise pages go through the store.
+
 Failure: a chunk that fails verification is counted (``chunk_errors``), deleted from every tier
 and ends the run, as ``PrefixCache.load_verified`` does; nothing unverified reaches the pool (a
 page is copied only after its chunk verified). A miss ends the run too.
@@ -47,6 +53,14 @@ def remote_tier(cache: PrefixCache) -> GrpcTier | None:
 def filling_tier(cache: PrefixCache) -> GrpcTier | None:
     """The store's only tier when it is a grpc tier raw chunks can be framed in (no cascade)."""
     return only_raw_tier_of(cache, GrpcTier)
+
+
+def places_alike(tier: GrpcTier, keys: Sequence[bytes], prefix: Sequence[bytes] | None) -> bool:
+    """Whether the per-key verbs reach, for every one of ``keys``, the replicas (in order) the
+    prefix-placed verbs for ``prefix`` (``keys`` a run of it) would."""
+    if prefix is None or tier.config.group_chunks == 1:
+        return True
+    return tier.placement(keys) == tier.placement(keys, prefix)
 
 
 def read_visited(cache: PrefixCache, tier: GrpcTier, keys: Sequence[bytes], page_tokens: int,

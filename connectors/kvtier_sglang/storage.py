@@ -11,7 +11,12 @@ geometry fixes the namespace) and, from its prefetch and backup threads, ``batch
 
 Contract (what SGLang relies on):
 - ``batch_exists`` returns the number of *leading* pages present; SGLang MIN-reduces it over the
-  TP ranks, and an MLA latent lives in one rank-independent namespace, so ranks agree.
+  TP ranks, and an MLA latent lives in one rank-independent namespace, so ranks agree (with
+  tp_size > 1 only on a tier the ranks share: namespace.check_rank_sharing refuses the rest).
+- Attach fails (ConfigError) where pages could not be served: see namespace.check_supported,
+  check_rank_sharing, and ``on_host_pools_registered`` (hybrid models' sidecar pools).
+- With SGLang's prefix keys (prefix.py), every store verb gets the call's whole prefix, so a
+  kvtier-server cluster places pages where the other engines' connectors look for them.
 - v1 methods return one bool per key, never ``None`` and never raise: a failure is per-page
   ``False``, a warning log line and a counter (``kvtier_stats()``), so SGLang's threads live on.
   A page that fails verification (checksum, namespace, key, shape) is refused, deleted and
@@ -37,9 +42,9 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -50,18 +55,20 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.cache import PrefixCache, VerifiedRun
 from kvtier.chunk import HEADER_SIZE, encode_chunk, page_aligned_buffer
 from kvtier.codec import Buf, Codec
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 
 from .arena import leasing_tier, page_framer, read_leased, writable_tier, write_in_place
 from .buffers import ThreadBuffers
 from .iothreads import IOThreads
-from .namespace import check_supported, fit_slots, namespace_spec, store_keys
+from .legacy import LegacyTensorAPI
+from .namespace import check_rank_sharing, check_supported, fit_slots, namespace_spec, store_keys
 from .pages import PageGeometry, geometry_of, load_page, page_slots, page_view, save_page
+from .prefix import PrefixKeys
 from .readahead import read_ahead
-from .remote import filling_tier, read_visited, remote_tier, write_filled
-from .settings import load_settings
+from .remote import filling_tier, places_alike, read_visited, remote_tier, write_filled
+from .settings import load_settings, slot_bytes_named
 from .stats import BackendStats
 from .usage import BackendUsage
 from .writebehind import write_behind
@@ -74,7 +81,7 @@ log = logging.getLogger(__name__)
 _EXPECTED = (KVTierError, OSError, RuntimeError, ValueError, IndexError)
 
 
-class KVTierStorage(HiCacheStorage):
+class KVTierStorage(LegacyTensorAPI, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None,
                  *, store: TieredStore | None = None) -> None:
         """``store``: an already open store to use instead of building one from the config
@@ -82,6 +89,8 @@ class KVTierStorage(HiCacheStorage):
         check_supported(storage_config)
         self.storage_config = storage_config
         self.cfg, self.settings = load_settings(storage_config.extra_config)
+        if store is None:  # a store handed in is shared by whoever handed it to several backends
+            check_rank_sharing(storage_config, self.cfg)
         self.kwargs = dict(kwargs or {})
         self.stats = BackendStats()
         self.mem_pool_host: Any = None
@@ -96,11 +105,11 @@ class KVTierStorage(HiCacheStorage):
         self._written = WrittenKeys()
         self._local = threading.local()  # per-thread scratch page (backup vs scheduler thread)
         self.usage: BackendUsage | None = None  # engine usage reports (usage.py), once registered
-        shared = self.cfg.disk.enabled or self.cfg.redis.enabled or self.cfg.grpc.enabled
-        # An MLA latent is written once (by SGLang's storage-writer rank) when the other ranks
-        # can read it from a shared tier; with only the process-local cpu tier each rank keeps
-        # its own copy, or the non-writers would never hit.
-        self._writer = bool(storage_config.is_storage_writer) or not shared
+        # An MLA latent is written once, by SGLang's storage-writer rank, into a tier the other
+        # ranks read (check_rank_sharing); SGLang calls the others' batch_set_v1 not at all.
+        self._writer = bool(storage_config.is_storage_writer)
+        self._prefix = PrefixKeys(storage_config, self.cfg)
+        self._pools_final = False  # on_host_pools_registered has run
         if not (storage_config.extra_config or {}).get("interface_v1"):
             log.warning("kvtier_sglang: interface_v1 is not set; SGLang will use the legacy "
                         "per-page tensor path (set \"interface_v1\": 1 for zero-copy)")
@@ -109,7 +118,7 @@ class KVTierStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         geo = geometry_of(mem_pool_host, bool(self.storage_config.is_mla_model))
-        cfg = fit_slots(self.cfg, geo)
+        cfg = fit_slots(self.cfg, geo, slot_named=slot_bytes_named(self.storage_config.extra_config))
         if self._store is None:
             self._store = TieredStore.from_config(cfg)
         spec = namespace_spec(self.storage_config, geo, cfg, self.settings)
@@ -125,9 +134,44 @@ class KVTierStorage(HiCacheStorage):
                  self.namespace.hex()[:16], spec.model_id, spec.rank, spec.world_size,
                  [t.name for t in self._store.tiers])
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Recorded as SGLang's base does; a sidecar registered after the attach (SGLang adds
+        dynamic ones, e.g. a draft model's, through this call alone) is refused at once."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if self._pools_final:
+            self._refuse_sidecars()
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang's hook after the pool registrations of an attach; raising fails the attach.
+        Refuses (ConfigError) a hybrid model's sidecar pools (Mamba state, SWA, DSA indexer,
+        draft KV): SGLang moves them with ``batch_*_v2``, which this backend does not implement,
+        so accepting them left every v2 call raising NotImplementedError behind a successful
+        attach. The KV pool itself (registered here too, as ``kv``) is what the backend serves."""
+        self._pools_final = True
+        self._refuse_sidecars()
+
+    def _refuse_sidecars(self) -> None:
+        """ConfigError naming every registered pool other than the KV pool this backend serves
+        (the anchor given to ``register_mem_pool_host``, which SGLang registers as ``kv``)."""
+        pools = getattr(self, "registered_pools", {})  # the base class's record of v2 pools
+        names = {str(getattr(name, "value", name)): pool for name, pool in pools.items()}
+        sidecars = sorted(n for n, pool in names.items() if n != "kv" and pool is not self.mem_pool_host)
+        if not sidecars:
+            return
+        # SGLang's hybrid controller does not roll its attach back when this raises (its
+        # threads keep running at a runtime attach): close the store, so no call half-works.
+        self.close()
+        self._cache = None
+        raise ConfigError(
+            f"--hicache-storage-backend dynamic (kvtier_sglang): this model's host pools include "
+            f"sidecar pools {sidecars} (a hybrid model: Mamba, SWA, DSA indexer or draft KV), "
+            f"which SGLang stores through batch_*_v2, not implemented by kvtier_sglang; run it "
+            f"without --hicache-storage-backend, or with a backend that implements v2")
+
     def _ready(self) -> tuple[PrefixCache, PageGeometry, torch.Tensor]:
         if self._cache is None or self._geo is None or self._buffer is None:
-            raise RuntimeError("kvtier_sglang: no host pool registered (register_mem_pool_host)")
+            raise RuntimeError("kvtier_sglang: not attached (no host pool registered, or the "
+                               "attach was refused)")
         return self._cache, self._geo, self._buffer
 
     def _thread_buffers(self) -> ThreadBuffers:
@@ -151,7 +195,7 @@ class KVTierStorage(HiCacheStorage):
         try:
             cache, _, _ = self._ready()
             xkeys = store_keys(self.namespace, keys)
-            hit = cache.store.lookup(xkeys)
+            hit = cache.store.lookup(xkeys, prefix=self._prefix.of(self.namespace, extra_info, xkeys))
             hits = hit.hits
         except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("exists", len(keys), exc)
@@ -174,6 +218,7 @@ class KVTierStorage(HiCacheStorage):
             cache, geo, buffer = self._ready()
             slots = page_slots(host_indices, len(keys), geo.page_tokens)
             xkeys = store_keys(self.namespace, keys)
+            prefix = self._prefix.of(self.namespace, extra_info, xkeys)
             pos, end = 0, len(keys)
             tier = leasing_tier(cache)
             remote = remote_tier(cache)
@@ -182,7 +227,7 @@ class KVTierStorage(HiCacheStorage):
                 pos = read_leased(cache, tier, xkeys, geo.page_tokens,
                                   lambda i: page_view(geo, buffer, slots[i]))
                 out[:pos] = [True] * pos
-            elif remote is not None:
+            elif remote is not None and places_alike(remote, xkeys, prefix):
                 # A kvtier-server first: verified where the data path put it, one copy (remote.py);
                 # with no tier below it, its first miss ends the read.
                 pos = read_visited(cache, remote, xkeys, geo.page_tokens,
@@ -195,7 +240,8 @@ class KVTierStorage(HiCacheStorage):
                 # (readahead.py). A missing or refused page ends the leading run.
                 def load(first: int, batch: Sequence[memoryview]) -> VerifiedRun:
                     return cache.load_verified_into(xkeys[first:first + len(batch)],
-                                                    [(0, geo.page_tokens)] * len(batch), batch, first)
+                                                    [(0, geo.page_tokens)] * len(batch), batch, first,
+                                                    prefix)
 
                 def copy(i: int, payload: Buf) -> None:
                     load_page(page_view(geo, buffer, slots[i]), payload)
@@ -226,12 +272,12 @@ class KVTierStorage(HiCacheStorage):
             cache, geo, buffer = self._ready()
             slots = page_slots(host_indices, len(keys), geo.page_tokens)
             xkeys = store_keys(self.namespace, keys)
-            present = cache.store.lookup(xkeys).hits
-            prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
-            parent = store_keys(self.namespace, prefix[-1:])
+            prefix = self._prefix.of(self.namespace, extra_info, xkeys)
+            present = cache.store.lookup(xkeys, prefix=prefix).hits
+            depth0 = len(prefix) - len(keys) if prefix is not None else 0
+            parent = prefix[depth0 - 1] if prefix is not None and depth0 else b""
             views = [page_view(geo, buffer, s) for s in slots[present:]]
-            accepted = self._store_pages(cache, geo, views, xkeys, present, len(prefix),
-                                         parent[0] if parent else b"")
+            accepted = self._store_pages(cache, geo, views, xkeys, present, depth0, parent, prefix)
         except Exception as exc:  # never into SGLang's threads: see _EXPECTED
             self._fail("set", len(keys), exc)
             if self.usage is not None:
@@ -247,10 +293,12 @@ class KVTierStorage(HiCacheStorage):
         return [True] * present + [ok] * (len(keys) - present)
 
     def _store_pages(self, cache: PrefixCache, geo: PageGeometry, views: list[torch.Tensor],
-                     xkeys: list[bytes], first: int, depth0: int, parent0: bytes) -> int:
-        """Store pages ``first..`` (``views[j]`` is page ``first + j``) in batches; returns how
-        many the first tier accepted. Raw codec: each page is copied once, straight from the
-        pool into a chunk buffer, and framed there. The buffers are this thread's reusable ones
+                     xkeys: list[bytes], first: int, depth0: int, parent0: bytes,
+                     prefix: Sequence[bytes] | None) -> int:
+        """Store pages ``first..`` (``views[j]`` is page ``first + j``) in batches, placed by
+        ``prefix`` (prefix.py; None: by themselves); returns how many the first tier accepted.
+        Raw codec: each page is copied once, straight from the pool into a chunk buffer, and
+        framed there. The buffers are this thread's reusable ones
         when the store keeps no reference after ``store`` returns (tiers copy what they keep;
         only a write-through cascade queues the entries for the lower tiers), else fresh ones
         the store takes over. Other codecs compress from a reused canonical scratch page."""
@@ -266,7 +314,7 @@ class KVTierStorage(HiCacheStorage):
             self._track(keys[:n])
             return n
         remote = filling_tier(cache)
-        if remote is not None:
+        if remote is not None and places_alike(remote, xkeys[first:first + len(views)], prefix):
             # A single kvtier-server tier: each page is framed in the data path's shared
             # segment and sent at once (remote.py), no chunk buffer in between.
             keys = xkeys[first:first + len(views)]
@@ -303,7 +351,8 @@ class KVTierStorage(HiCacheStorage):
             return entries
 
         # Each batch stored on an I/O thread while the next is filled (writebehind.py).
-        return write_behind(fill, store.store, len(views), bufs.per_batch, bufs.ring_sets, self._io.pool())
+        return write_behind(fill, partial(store.store, prefix=prefix), len(views), bufs.per_batch,
+                            bufs.ring_sets, self._io.pool())
 
     def _track(self, keys: list[bytes]) -> None:
         self.stats.add("untracked_pages", self._written.add(keys))
@@ -313,57 +362,6 @@ class KVTierStorage(HiCacheStorage):
         if page is None or len(page) != nbytes:
             page = self._local.page = bytearray(nbytes)
         return page
-
-    # --- legacy per-page tensor API (SGLang without interface_v1) ------------------------------
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
-
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        """One page into ``target_location`` (a flat page in the host layout, as SGLang's
-        ``get_dummy_flat_data_page`` makes it) or a new tensor; None on a miss."""
-        if not self.settings.load:
-            return None
-        try:
-            cache, geo, _ = self._ready()
-            target = target_location if target_location is not None else torch.empty(
-                int(np.prod(geo.buffer_dims(geo.page_tokens))), dtype=geo.dtype)
-            run = cache.load_verified(store_keys(self.namespace, [key]), [(0, geo.page_tokens)])
-            if not run.payloads:
-                return None
-            load_page(page_view(geo, target.view(geo.buffer_dims(geo.page_tokens)), 0), run.payloads[0])
-        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
-            self._fail("get", 1, exc)
-            return None
-        self.stats.add("pages_read")
-        result: torch.Tensor = target
-        return result
-
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
-        targets = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
-
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        return self.batch_set([key], [value])
-
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
-        """Store flat host-layout pages (SGLang's ``get_data_page``) under ``keys``."""
-        if not keys:
-            return True
-        if not self.settings.save or not self._writer:
-            return True
-        try:
-            cache, geo, _ = self._ready()
-            dims = geo.buffer_dims(geo.page_tokens)
-            xkeys = store_keys(self.namespace, keys)
-            views = [page_view(geo, v.reshape(dims), 0) for v in values]
-            accepted = self._store_pages(cache, geo, views, xkeys, 0, 0, b"")
-        except Exception as exc:  # never into SGLang's threads: see _EXPECTED
-            self._fail("set", len(keys), exc)
-            return False
-        self.stats.wrote(accepted, accepted * geo.page_bytes, 0.0)
-        return accepted == len(keys)
 
     # --- lifecycle, stats ------------------------------------------------------------------------
     def clear(self) -> None:

@@ -96,7 +96,7 @@ def test_backup_and_prefetch_threads_store_and_restore_exact_pages() -> None:
     assert prefetch(cc, host, "r2", list(range(5000, 5000 + 2 * PAGE)))[0] == 0
     store = be._store
     cc.detach_storage_backend()
-    assert store._closed            # close on shutdown: the store flushed and closed
+    assert store.closed             # close on shutdown: the store flushed and closed
 
 
 def test_injected_faults_never_escape_and_never_restore_a_wrong_page(

@@ -24,8 +24,9 @@ MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HOST_BUDGET = 4 << 30
 # kvtier's cpu tier commits its whole arena up front (1 GiB by default); these checks build dozens
-# of backends on a shared machine, so their cpu tier is small unless a check sets its own.
-SMALL_CPU = {"capacity_bytes": "64MiB", "slot_bytes": "64KiB"}
+# of backends on a shared machine, so their cpu tier is small unless a check sets its own. Its
+# slots are left to the backend, which sizes them to one page (namespace.fit_slots).
+SMALL_CPU = {"capacity_bytes": "64MiB"}
 BACKEND = {"backend_name": "kvtier", "module_path": "kvtier_sglang", "class_name": "KVTierStorage",
            "interface_v1": 1}
 
