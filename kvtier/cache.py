@@ -171,7 +171,7 @@ class PrefixCache:
         again), counted, and ends the run. ``prefix``: the whole prefix's keys from chunk 0
         (where a prefix-placed tier looks; see TieredStore.lookup). Never raises for store trouble."""
         res = self.store.load(keys, prefix=prefix)
-        return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
+        return self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index, prefix)
 
     def load_verified_into(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]],
                            outs: Sequence[memoryview], first_index: int = 0,
@@ -183,7 +183,7 @@ class PrefixCache:
         chunks from lower tiers are promoted only when the caller calls :meth:`promote` (before
         reusing ``outs``), so a caller waiting for the bytes does not wait for the copies up."""
         res = self.store.load_into(keys, outs, prefix=prefix, defer_promotion=defer_promotion)
-        run = self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index)
+        run = self._verify(keys, spans, res.chunks, res.sources, res.reason, first_index, prefix)
         return dataclasses.replace(run, promotion=res.promotion) if defer_promotion else run
 
     def promote(self, run: VerifiedRun) -> None:
@@ -191,7 +191,8 @@ class PrefixCache:
         self.store.promote(run.promotion, len(run.payloads))
 
     def _verify(self, keys: Sequence[bytes], spans: Sequence[tuple[int, int]], chunks: Sequence[Buf],
-                sources: Sequence[str], reason: str, first_index: int) -> VerifiedRun:
+                sources: Sequence[str], reason: str, first_index: int,
+                prefix: Sequence[bytes] | None) -> VerifiedRun:
         payloads: list[Buf] = []
         shapes: list[Shape] = []
         nbytes = 0
@@ -204,7 +205,7 @@ class PrefixCache:
             except ChunkError as exc:
                 log.warning("refusing chunk %d (%s): %s", first_index + i, keys[i].hex()[:16], exc)
                 self.metrics.chunk_errors.labels(exc.reason).inc()
-                self.store.delete(keys[i:i + 1])
+                self.store.delete(keys[i:i + 1], prefix)  # where the load found it
                 reason = exc.reason
                 break
             payloads.append(chunk.payload)

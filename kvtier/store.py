@@ -317,13 +317,15 @@ class TieredStore:
         else:
             tier.evicted_key_listener = evicted
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None = None) -> int:
         """Remove ``keys`` from every tier (e.g. a chunk that failed verification), and from the
-        write-behind queue: a write of them queued before this call is not done."""
+        write-behind queue: a write of them queued before this call is not done. ``prefix`` as
+        in :meth:`store`: without it a prefix-placed tier looks for each key on the nodes of
+        the key alone, not of its group, and misses chunks stored with their prefix."""
         self._behind.forget(keys)
         total = 0
         for tier in self.tiers:
-            n = tier.delete(keys)
+            n = self._verbs(tier, prefix).delete(keys)
             if n:
                 self._listeners.removed(tier.name, keys)
             total += n

@@ -266,3 +266,25 @@ def test_close_with_calls_in_flight_wakes_every_caller(tmp_path: Path) -> None:
         os.kill(b.proc.pid, signal.SIGCONT)
         a.stop()
         b.stop()
+
+
+def test_a_delete_with_its_prefix_reaches_the_group_nodes(fleet: list[ServerProc]) -> None:
+    """A chunk refused by verification, or purged as computed over bad blocks (the vLLM
+    connector), is deleted with its prefix: without it the tier looked on the nodes of the key
+    alone, and a chunk stored with its group stayed on the cluster."""
+    members = [n.address for n in fleet[:3]]
+    tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=tuple(members), group_chunks=G, timeout_s=10.0))
+    store = TieredStore([tier])
+    try:
+        keys, chunks = _prefix(47)
+        assert store.store([Entry(k, c, d) for d, (k, c) in enumerate(zip(keys, chunks))], prefix=keys) == 24
+        # A chunk whose own placement is not its group's (what a key-only delete asked).
+        alone, grouped = tier.placement(keys), tier.placement(keys, prefix=keys)
+        d = next(i for i in range(len(keys)) if alone[i] != grouped[i])
+        assert store.delete(keys[d:d + 1]) == 0  # key-only: asked nodes that never held it
+        assert store.lookup(keys, prefix=keys).hits == len(keys)
+        assert store.delete(keys[d:d + 1], prefix=keys) == 1
+        assert store.lookup(keys, prefix=keys).hits == d
+        assert _landed(fleet, keys[d:d + 1]) == [[]]
+    finally:
+        store.close()

@@ -64,18 +64,22 @@ class SavedSteps:
         if not saves:
             return
         doomed: list[bytes] = []
+        batches: list[tuple[list[bytes], list[bytes]]] = []  # (keys, their prefix) per save
         for spec in saves:
             tokens = np.frombuffer(spec.tokens, dtype="<u4")
             keys = cache_for(spec.salt).keys(tokens, full_chunks_only=not spec.partial)
-            doomed.extend(keys[spec.start_chunk:spec.end_chunk])
+            batches.append((keys[spec.start_chunk:spec.end_chunk], keys))
+            doomed.extend(batches[-1][0])
         with self._lock:
             self._purging.update(doomed)
 
         def purge() -> None:
             target = store()
             target.flush(timeout_s=PURGE_FLUSH_S)  # else a cascade could put a chunk back
-            try:
-                n = target.delete(doomed)
+            n = 0
+            try:  # with their prefix: a prefix-placed tier stored them on their group's nodes
+                for keys, prefix in batches:
+                    n += target.delete(keys, prefix)
             finally:
                 with self._lock:
                     self._purging.subtract(doomed)

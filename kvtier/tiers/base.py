@@ -158,6 +158,8 @@ class PrefixOps(Protocol):
 
     def put(self, entries: Sequence[Entry]) -> list[bool]: ...
 
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
 
 @runtime_checkable
 class PrefixPlaced(Protocol):
