@@ -50,7 +50,7 @@ def test_it_follows_s3fifo_over_passes_on_a_corpus_larger_than_the_cache() -> No
         assert mine > adaptive + 0.05, (seed, mine, adaptive, s3fifo)
         assert dueling.leader_name == "s3fifo" and dueling.leader_changes >= 1
         adaptive_main, s3fifo_main = dueling._mains
-        assert set(adaptive_main._nodes) == set(s3fifo_main._entries) == set(dueling._keys)
+        assert set(adaptive_main._nodes) == set(s3fifo_main._nodes) == set(dueling._keys)
         assert all(len(mini) <= max(1, len(dueling) // dueling._div) for mini in dueling._minis)
 
 

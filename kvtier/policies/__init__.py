@@ -15,7 +15,8 @@ Policies (hit ratios on the replayed Mooncake trace and generated workloads:
 - ``prefix``: prefix-aware, leaf-first, once-seen first, ranked by recency and mean reuse gap,
   with a ghost history (:mod:`kvtier.policies.prefix`); wins on the shared trace, loses to LRU
   on chat.
-- ``s3fifo``: S3-FIFO (:mod:`kvtier.policies.s3fifo`).
+- ``s3fifo``: S3-FIFO whose small queue evicts an unread prefix subtree first
+  (:mod:`kvtier.policies.s3fifo`).
 - ``lru``: least recently used, the baseline every other policy is measured against
   (:mod:`kvtier.policies.lru`).
 """
