@@ -4,6 +4,7 @@ CLI. Breakers live in test_analyze_breakers.py, the HTML page in test_analyze_ht
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -164,12 +165,54 @@ def test_reads_the_mooncake_trace() -> None:
     ('{"tokens": [1], "timestamp": NaN}', ":1: 'timestamp' nan is not a finite number"),
     ('{"tokens": [1], "timestamp": 1e400}', ":1: 'timestamp' inf is not a finite number"),
     pytest.param('{"tokens": [1], "timestamp": 1' + "0" * 400 + '}', ":1: 'timestamp' .* is not a finite number", id="400-digit-timestamp"),
+    # finite but beyond any calendar: 1e308 ms made a 1e305 s log (and per-day rates of 0)
+    ('{"hash_ids": [1], "input_length": 10, "timestamp": 1e308}', ":1: 'timestamp' 1e+308 (ms) is out of range"),
+    ('{"tokens": [1], "timestamp": 3e11}', ":1: 'timestamp' 300000000000.0 (s) is out of range"),
+    # json recurses per nesting level: a RecursionError traceback before
+    pytest.param('{"tokens": [1], "x": ' + "[" * 100_000 + "]" * 100_000 + "}", ":1: JSON nested too deeply", id="deep-nest"),
+    # labels are strings: an object became its str(), and model 5 merged with "5"
+    ('{"tokens": [1], "tenant": {"a": 1}}', ":1: 'tenant' must be a string, got dict"),
+    ('{"tokens": [1], "user": ["x"]}', ":1: 'user' must be a string, got list"),
+    ('{"hash_ids": [1], "input_length": 10, "model": 5}', ":1: 'model' must be a string, got int 5"),
+    # per-block content hashes, not prefix-chained ids: the bound read 0.93 with every policy ~0.005
+    ('{"hash_ids": [1, 2, 1], "input_length": 1500}', ":1: 'hash_ids' are not prefix-chained: item 2 (id 1) follows id 2 here but starts a prompt"),
 ])
 def test_bad_lines_are_named(tmp_path: Path, line: str, needle: str) -> None:
     p = tmp_path / "bad.jsonl"
     p.write_text(line + "\n")
-    with pytest.raises(readers.LogError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("**", r"\*\*")):
+    with pytest.raises(readers.LogError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("**", r"\*\*")
+                       .replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         readers.read_log(p)
+
+
+def test_hash_ids_must_be_prefix_chained(tmp_path: Path) -> None:
+    """An id under a second parent on a later line is refused, naming that line; chained ids
+    shared by many prompts (at one depth, after one id) are read, in every model namespace."""
+    p = tmp_path / "mc.jsonl"
+    ok = [{"hash_ids": [1, 2, 3], "input_length": 1536}, {"hash_ids": [1, 2, 4], "input_length": 1536},
+          {"hash_ids": [1, 5], "input_length": 1024}, {"hash_ids": [1, 2], "input_length": 1024, "model": "b"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in ok))
+    assert len(readers.read_log(p).requests) == 4
+    p.write_text("".join(json.dumps(r) + "\n" for r in ok) + '{"hash_ids": [7, 2], "input_length": 1024}\n')
+    with pytest.raises(readers.LogError, match=r"mc\.jsonl:5: 'hash_ids' are not prefix-chained: item 1 \(id 2\) "
+                                              r"follows id 7 here but follows id 1 earlier"):
+        readers.read_log(p)
+    p.write_text('{"hash_ids": [1, 2], "input_length": 1024}\n{"hash_ids": [2], "input_length": 512}\n')
+    with pytest.raises(readers.LogError, match=r"mc\.jsonl:2: .* \(id 2\) starts a prompt here but follows id 1"):
+        readers.read_log(p)
+
+
+def test_a_few_unchained_ids_in_a_large_trace_warn(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trace's own glitch (one id under a second parent among thousands of blocks) must not
+    make it unreadable: a warning naming the first, and the figures."""
+    lines = [{"hash_ids": [1, 10 + i % 50, 100 + i], "input_length": 1536} for i in range(400)]
+    lines.append({"hash_ids": [7, 11], "input_length": 1024})  # id 11 followed id 1 until here
+    p = tmp_path / "mc.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with caplog.at_level(logging.WARNING, logger="kvtier.analyze"):
+        got = readers.read_log(p)
+    assert len(got.requests) == 401
+    assert "1 of 1202 blocks follow another id" in caplog.text and "mc.jsonl:401" in caplog.text
 
 
 def test_gzip_and_non_utf8_logs(tmp_path: Path) -> None:

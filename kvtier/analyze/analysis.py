@@ -60,15 +60,17 @@ def _preview(r: Request, tokens: int, decode: Decode | None) -> str:
 
 def _top_prefixes(reqs: Sequence[Request], bound: np.ndarray, top: int,
                   decode: Decode | None) -> list[dict[str, Any]]:
-    agg: dict[bytes, list[int]] = {}  # deepest hit key -> [saved, requests, prefix tokens, example]
-    for r, h in zip(reqs, bound.tolist()):
+    # deepest hit key -> [saved, requests, prefix tokens, example's position in ``reqs``] (the
+    # position, not Request.index: that is the file's order, and reqs is in replay order)
+    agg: dict[bytes, list[int]] = {}
+    for j, (r, h) in enumerate(zip(reqs, bound.tolist())):
         if h:
             k = replay.hit_chunks(r, h)
-            a = agg.setdefault(r.keys[k - 1], [0, 0, h, r.index])
+            a = agg.setdefault(r.keys[k - 1], [0, 0, h, j])
             a[0] += h
             a[1] += 1
             if reqs[a[3]].head is None and r.head is not None:
-                a[3] = r.index  # an example whose tokens were kept, for the preview
+                a[3] = j  # an example whose tokens were kept, for the preview
     best = sorted(agg.values(), key=lambda a: (-a[0], a[3]))[:top]
     return [{"prefix_tokens": t, "requests": n, "saved_tokens": s,
              "preview": _preview(reqs[j], t, decode)} for s, n, t, j in best]
@@ -145,7 +147,8 @@ def analyze(log: Log, opts: Options = Options()) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "log": {"path": log.path, "format": log.source, "requests": len(reqs), "prompt_tokens": total,
-                "chunk_tokens": C, "distinct_chunks": distinct, "duration_s": duration,
+                "chunk_tokens": C, "distinct_chunks": distinct, "out_of_order": log.out_of_order,
+                "duration_s": duration,
                 "requests_per_day": _per_day(len(reqs), duration),
                 "output_tokens": sum(r.output_tokens for r in reqs if r.output_tokens is not None)
                 if any(r.output_tokens is not None for r in reqs) else None,

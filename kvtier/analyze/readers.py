@@ -7,10 +7,18 @@ line is one of:
   tokenized with ``--tokenizer`` (a local tokenizer directory; nothing is downloaded);
 - a Mooncake trace line: ``hash_ids`` (one id per ``block_tokens`` = 512-token block, already
   prefix-chained) and ``input_length``; its ``timestamp`` is in milliseconds. Its chunks are
-  those blocks, whatever ``chunk_tokens`` says (a warning says so when one was given).
-Optional on any line: ``timestamp`` (seconds, or an ISO-8601 string), ``tenant`` (or ``user``),
-``model``, ``output_length`` | ``output_tokens``. A malformed line raises :class:`LogError`
-naming the file, the line number and what is wrong.
+  those blocks, whatever ``chunk_tokens`` says (a warning says so when one was given). An id
+  that follows two different ids (or starts one prompt and follows an id in another) is not
+  prefix-chained: per-block content hashes would make every figure meaningless (a block seen
+  anywhere would count as a prefix hit), so a trace where more than 1% of the blocks read do so
+  is refused; a few such glitches only warn.
+Optional on any line: ``timestamp`` (seconds, or an ISO-8601 string; years 1 to 9999),
+``tenant`` (or ``user``) and ``model`` (strings), ``output_length`` | ``output_tokens``. A
+malformed line raises :class:`LogError` naming the file, the line number and what is wrong.
+
+The requests are returned in replay order: timestamp order (see
+:func:`~kvtier.analyze.records.time_order`), with a warning counting those the file had out of
+order.
 
 Token logs are keyed with kvtier's own chain (:func:`kvtier.keys.chunk_keys`, sha256, one
 namespace per model, and per tenant with ``isolate_tenants`` as a salted deployment would).
@@ -33,7 +41,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from kvtier.analyze.records import Log, Request
+from kvtier.analyze.records import Log, Request, time_order
 from kvtier.errors import not_utf8
 from kvtier.keys import KVLayout, NamespaceSpec, chunk_keys, namespace_id
 
@@ -44,6 +52,9 @@ MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_HEAD_TOKENS = 4096
 Encoder = Callable[[list[str]], list[list[int]]]
 DEFAULT_CHUNK_TOKENS = 256  # kvtier's
+# Seconds since 1970 that an ISO-8601 timestamp can name (years 1 to 9999): a number outside is
+# a unit or typo error (1e308 ms would make a 1e305 s log and every per-day rate 0).
+MIN_EPOCH_S, MAX_EPOCH_S = -62_135_596_800.0, 253_402_300_800.0
 log = logging.getLogger(__name__)
 
 
@@ -95,6 +106,10 @@ def _timestamp(value: Any, scale: float, where: str) -> float | None:
         # NaN/Infinity (Python's json reads them) would turn the durations and rates into NaN.
         if not math.isfinite(seconds):
             raise LogError(f"{where}: 'timestamp' {value!r} is not a finite number")
+        if not MIN_EPOCH_S <= seconds < MAX_EPOCH_S:
+            unit = "ms" if scale != 1.0 else "s"
+            raise LogError(f"{where}: 'timestamp' {value!r} ({unit}) is out of range: not within "
+                           f"years 1 to 9999 as seconds since 1970")
         return seconds
     if isinstance(value, str):
         try:
@@ -138,11 +153,78 @@ def json_lines(path: Path, progress: bool = False) -> Iterator[tuple[int, dict[s
                     raise LogError(f"{path}:{lineno}: {not_utf8(exc, 'column')}") from None
                 except json.JSONDecodeError as exc:
                     raise LogError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+                except RecursionError:  # json's decoder recurses per level of [ or {
+                    raise LogError(f"{path}:{lineno}: JSON nested too deeply to read") from None
                 if not isinstance(obj, dict):
                     raise LogError(f"{path}:{lineno}: each line must be a JSON object")
                 yield lineno, obj
         except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # a corrupt or truncated .gz
             raise LogError(f"{path}:{lineno + 1}: cannot decompress: {exc}") from None
+
+
+def _label(obj: dict[str, Any], name: str, where: str) -> str:
+    """A ``tenant`` / ``user`` / ``model`` field: a string, or "" when absent or null. Anything
+    else is refused rather than turned into its str(): 5 and "5" would merge, an object would
+    become its repr."""
+    value = obj.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise LogError(f"{where}: {name!r} must be a string, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+CHAIN_CONFLICTS_TOLERATED = 0.01  # of the blocks read: a few glitches warn, a pattern refuses
+
+
+class _Chains:
+    """Mooncake block ids, each kept as one key object (a trace repeats its ids: one object per
+    distinct block saves more than this dict costs) with the id before it. Prefix-chained ids
+    name a whole prefix, so each has exactly one id before it (which also fixes its depth);
+    per-block content hashes do not, and would count a block seen under any other prefix as a
+    hit: :meth:`check` refuses a log where more than ``CHAIN_CONFLICTS_TOLERATED`` of the blocks
+    read follow another id than the first time, and warns below that (a trace's own glitches
+    must not make it unreadable)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, tuple[bytes, bytes]] = {}
+        self.read = self.conflicts = 0
+        self.first = ""
+
+    def keys(self, keys: list[bytes], where: str) -> tuple[bytes, ...]:
+        parent = b""
+        for i, key in enumerate(keys):
+            kept, before = self.blocks.setdefault(key, (key, parent))
+            if before is not parent and before != parent:
+                self.conflicts += 1
+                if not self.first:
+                    self.first = (f"{where}: 'hash_ids' are not prefix-chained: item {i} (id {_block_id(key)}) "
+                                  f"{_place(parent)} here but {_place(before)} earlier in the log")
+            keys[i] = parent = kept
+        self.read += len(keys)
+        return tuple(keys)
+
+    def check(self, path: Path) -> None:
+        if not self.conflicts:
+            return
+        share = self.conflicts / max(1, self.read)
+        if share > CHAIN_CONFLICTS_TOLERATED:
+            raise LogError(
+                f"{self.first} ({self.conflicts} of {self.read} blocks so); each id must name the whole "
+                f"prefix up to its block, as in Mooncake traces (per-block content hashes would count a "
+                f"block seen under any other prefix as a hit, so no figure would hold)")
+        log.warning("%s: %d of %d blocks follow another id than where they first appeared (first: %s); "
+                    "figures may overstate reuse by up to that share", path, self.conflicts, self.read,
+                    self.first)
+
+
+def _block_id(key: bytes) -> int:
+    """The trace's id back from a Mooncake key (8 namespace bytes, then the id)."""
+    return int.from_bytes(key[8:], "little")
+
+
+def _place(parent: bytes) -> str:
+    return f"follows id {_block_id(parent)}" if parent else "starts a prompt"
 
 
 class _Keyer:
@@ -200,8 +282,8 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int | Non
         if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 0):
             raise LogError(f"{where}: 'output_length' must be a non-negative integer")
         return {"timestamp": _timestamp(obj.get("timestamp"), scale, where),
-                "tenant": str(obj.get("tenant", obj.get("user", "")) or ""),
-                "model": str(obj.get("model", "") or ""), "output_tokens": out}
+                "tenant": _label(obj, "tenant" if "tenant" in obj else "user", where),
+                "model": _label(obj, "model", where), "output_tokens": out}
 
     def add_tokens(tokens: list[int], m: dict[str, Any]) -> None:
         nonlocal stride, kept
@@ -223,6 +305,7 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int | Non
             add_tokens(ids, m)
         pending.clear()
 
+    chains = _Chains()  # Mooncake block ids
     for lineno, obj in json_lines(p, progress):
         where = f"{p}:{lineno}"
         if "hash_ids" in obj:
@@ -243,7 +326,7 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int | Non
             if not isinstance(n, int) or not (len(ids) - 1) * MOONCAKE_BLOCK_TOKENS < n <= len(ids) * MOONCAKE_BLOCK_TOKENS:
                 raise LogError(f"{where}: 'input_length' {n!r} does not fit {len(ids)} blocks of {MOONCAKE_BLOCK_TOKENS} tokens")
             salt = keyer.namespace(m["model"], m["tenant"])[:8]
-            keys = tuple(salt + h.to_bytes(8, "little") for h in ids)
+            keys = chains.keys([salt + h.to_bytes(8, "little") for h in ids], where)
             requests.append(Request(len(requests), keys, n if ids else 0, MOONCAKE_BLOCK_TOKENS, **m))
         elif kind == "tokens":
             field = next(f for f in TOKEN_FIELDS if f in obj)
@@ -262,8 +345,13 @@ def read_log(path: str | Path, *, tokenizer: Any = None, chunk_tokens: int | Non
         flush()
     if not requests:
         raise LogError(f"log {str(p)!r}: no requests")
+    chains.check(p)
     block = MOONCAKE_BLOCK_TOKENS if source == "mooncake" else chunk
     if chunk_tokens is not None and chunk_tokens != block:
         log.warning("%s: a Mooncake trace's chunks are its %d-token hash blocks; --chunk-tokens %d "
                     "is not used", p, block, chunk_tokens)
-    return Log(str(p), source, tuple(requests), block)
+    ordered, late = time_order(requests)
+    if late:
+        log.warning("%s: %d of %d requests are earlier than a request before them in the file; "
+                    "replaying in timestamp order", p, late, len(requests))
+    return Log(str(p), source, tuple(ordered), block, out_of_order=late)

@@ -8,6 +8,7 @@ key covers, and the metadata the reports group by. The first tokens of the promp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +16,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt. ``keys[i]`` covers ``chunk_tokens`` tokens except the last, which covers
+    """One prompt. ``index`` is its position in the file (0-based, blank lines not counted),
+    whatever its place in the replay order. ``keys[i]`` covers ``chunk_tokens`` tokens except the last, which covers
     the rest of ``tokens`` (a trailing partial chunk is keyed over its actual tokens).
 
     ``head`` holds the first tokens (uint32, at most the reader's window) or is None where the
@@ -35,12 +37,14 @@ class Request:
 
 @dataclass(frozen=True)
 class Log:
-    """A whole log in file order. ``source`` names the format it was read as."""
+    """A whole log in replay order (see :func:`time_order`). ``source`` names the format it was
+    read as; ``out_of_order`` counts the requests the file had out of timestamp order."""
 
     path: str
     source: str  # "tokens" | "text" | "mooncake"
     requests: tuple[Request, ...]
     chunk_tokens: int
+    out_of_order: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -57,3 +61,29 @@ class Log:
     @property
     def has_tokens(self) -> bool:
         return any(r.head is not None for r in self.requests)
+
+
+def time_order(requests: list[Request]) -> tuple[list[Request], int]:
+    """``requests`` (in file order) in replay order, and how many were out of order.
+
+    The replay order is timestamp order, by a stable sort: ties keep their file order, and a
+    request without a timestamp keeps its place after the request before it in the file (those
+    before any timestamp come first). Out of order = earlier than some request before it in the
+    file (two replicas' logs concatenated, a reversed log). A log already in order (the usual
+    case) is returned as is after one pass, so a large log costs no copy; otherwise the sort
+    holds one float and one index per request besides the new list of the same objects.
+    """
+    times: list[float] = []
+    now = high = -math.inf
+    late = 0
+    for r in requests:
+        if r.timestamp is not None:
+            now = r.timestamp
+        times.append(now)
+        if now < high:
+            late += 1
+        else:
+            high = now
+    if not late:
+        return requests, 0
+    return [requests[i] for i in sorted(range(len(requests)), key=times.__getitem__)], late

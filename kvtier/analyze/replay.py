@@ -10,7 +10,8 @@ index and ``parent`` = the chunk before, evicting as needed. Policies come from 
 chunk, a reference rather than a bound under the leading-run rule).
 
 All functions are pure and deterministic; each returns per-request hit tokens (int64 numpy
-arrays, in log order) so that reports can group them by tenant or model.
+arrays, in the order of the requests given: the log's replay order) so that reports can group
+them by tenant or model.
 """
 
 from __future__ import annotations
@@ -100,12 +101,17 @@ def hit_chunks(r: Request, hit_tokens: int) -> int:
 def with_ttl(requests: Sequence[Request], ttl_s: float) -> np.ndarray:
     """Per-request hit tokens of an unbounded cache whose chunks expire ``ttl_s`` seconds after
     their last read or write (a sliding TTL, as hosted prompt caches refresh on a hit).
-    Requests without a timestamp take the previous request's time."""
+
+    ``requests`` are taken in the order given (the reader's is timestamp order). The clock never
+    moves backwards: a request without a timestamp, or with one earlier than a request before
+    it, is taken at the latest time so far; so no chunk's age is negative (which would count as
+    a hit) and no chunk's last use moves back in time."""
     last: dict[bytes, float] = {}
     out = np.zeros(len(requests), dtype=np.int64)
-    now = 0.0
+    now = next((r.timestamp for r in requests if r.timestamp is not None), 0.0)
     for j, r in enumerate(requests):
-        now = r.timestamp if r.timestamp is not None else now
+        if r.timestamp is not None and r.timestamp > now:
+            now = r.timestamp
         ids = r.keys
         k = 0
         while k < len(ids):

@@ -35,7 +35,9 @@ def summary(doc: dict[str, Any]) -> str:
     cur = doc["cost"]["currency"] if doc["cost"] else ""
     out = [f"log {lg['path']} ({lg['format']}): {lg['requests']} requests, "
            f"{human(lg['prompt_tokens'])} prompt tokens, {lg['tenants']} tenant(s), {lg['models']} model(s)"
-           + (f", {lg['duration_s'] / 3600:.2f} h" if lg["duration_s"] else ""),
+           + (f", {lg['duration_s'] / 3600:.2f} h" if lg["duration_s"] else "")
+           + (f"\n  ({lg['out_of_order']} requests were out of timestamp order in the file: "
+              "replayed in timestamp order)" if lg.get("out_of_order") else ""),
            f"perfect prefix cache (the bound): {b['hit_ratio']:.1%} of prompt tokens "
            f"({human(b['hit_tokens'])} tokens; {human(b['saved_tokens_per_day'])}/day), "
            f"needs {human(b['distinct_tokens'])} tokens of KV",
