@@ -84,7 +84,7 @@ class TieredStore:
         # ~10 us a tier, a labelled child ~1 us (issue 16's lookup budget).
         self._placed_ids = {id(t) for t in self.tiers if isinstance(t, PrefixPlaced)}
         self._hit_chunks = tuple(self.metrics.hit_chunks.labels(name) for name in names)
-        self._behind = WriteBehind(len(self.tiers), config.queue_depth, self._write_one,
+        self._behind = WriteBehind(len(self.tiers), config.queue_depth, self._write_one, self._remove_one,
                                    cascade=config.write_policy != "write_back", on_drop=self._dropped,
                                    on_depth=self.metrics.queue_depth.set)
 
@@ -294,6 +294,12 @@ class TieredStore:
         if not all(ok):
             self.metrics.dropped_writes.labels(tier.name, "rejected").inc(len(ok) - sum(ok))
         self._listeners.refused(tier.name, entries, ok)
+
+    def _remove_one(self, level: int, keys: list[bytes], prefix: Sequence[bytes] | None) -> None:
+        """The write-behind takes back keys a delete named while it was writing them (its thread)."""
+        tier = self.tiers[level]
+        if self._verbs(tier, prefix).delete(keys):
+            self._listeners.removed(tier.name, keys)
 
     def _listen_to_evictions(self, level: int, tier: Tier) -> None:
         """Count evictions and tell the listeners; with ``write_back`` (and a tier below) also

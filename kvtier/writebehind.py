@@ -8,11 +8,12 @@ eviction instead).
 
 Deletes win over queued writes: :meth:`forget` marks keys, and a job queued before the mark
 writes none of them (else a chunk deleted as corrupt, or purged as computed over bad blocks,
-came back from the queue after ``delete`` returned). Marks are dropped once no job queued
-before them is left.
+came back from the queue after ``delete`` returned); a key marked while its job was being
+written into a tier is removed from that tier again (``remove``). Marks are dropped once no
+job queued before them is left.
 
 Threads: ``enqueue``/``forget``/``flush``/``close`` from any thread; ``write(level, entries,
-prefix)`` runs on the writer thread only. Failure: a ``write`` that raises costs that job
+prefix)`` and ``remove(level, keys, prefix)`` run on the writer thread only. Failure: a ``write`` that raises costs that job
 (logged, counted ``error`` through ``on_drop``), never the thread (flush and close would hang).
 """
 
@@ -22,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvtier.tiers.base import Entry
@@ -29,25 +31,26 @@ from kvtier.tiers.base import Entry
 log = logging.getLogger(__name__)
 
 Write = Callable[[int, list[Entry], Sequence[bytes] | None], None]
+Remove = Callable[[int, list[bytes], Sequence[bytes] | None], None]
 _STOP = object()
 # (entries, first level, prefix keys when known, sequence number when queued)
 _Job = tuple[list[Entry], int, Sequence[bytes] | None, int]
 
 
 class WriteBehind:
-    def __init__(self, levels: int, depth: int, write: Write, cascade: bool,
+    def __init__(self, levels: int, depth: int, write: Write, remove: Remove, cascade: bool,
                  on_drop: Callable[[int, str, int], None], on_depth: Callable[[int], None]) -> None:
         """``levels``: tiers in the store; ``on_drop(level, reason, n)``: n chunks bound for
         ``level`` not written (``closed``, ``queue_full``, ``error``); ``on_depth(n)``: the
         queue's length after each change."""
-        self._levels, self._write, self._cascade = levels, write, cascade
+        self._levels, self._write, self._remove, self._cascade = levels, write, remove, cascade
         self._on_drop, self._on_depth = on_drop, on_depth
         self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=depth)
         self._lock = threading.Lock()  # the closed flag, sequence numbers, delete marks
         self._closed = False
         self._seq = 0
-        self._deleted: dict[bytes, int] = {}  # key -> sequence number of its delete
-        self._deleted_upto = 0
+        self._deleted: dict[bytes, int] = {}  # key -> sequence number of its latest delete
+        self._marks: deque[tuple[int, bytes]] = deque()  # (sequence number, key), oldest first
         self._thread = threading.Thread(target=self._loop, name="kvtier-store-writer", daemon=True)
         self._thread.start()
 
@@ -70,9 +73,9 @@ class WriteBehind:
             if self._queue.unfinished_tasks == 0:
                 return
             self._seq += 1
-            self._deleted_upto = self._seq
             for key in keys:
                 self._deleted[key] = self._seq
+                self._marks.append((self._seq, key))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued job is written; False if ``timeout_s`` passed first."""
@@ -117,18 +120,30 @@ class WriteBehind:
                 self._on_depth(self._queue.qsize())
 
     def _write_job(self, entries: list[Entry], level: int, prefix: Sequence[bytes] | None, seq: int) -> None:
+        self._prune(seq)
         for at in range(level, self._levels if self._cascade else level + 1):
             entries = self._not_deleted(entries, seq)
             if not entries:
                 return
             self._write(at, entries, prefix)
+            kept = self._not_deleted(entries, seq)
+            if len(kept) < len(entries):  # deleted while this tier took them: take them back
+                still = {e.key for e in kept}
+                self._remove(at, [e.key for e in entries if e.key not in still], prefix)
+            entries = kept
+
+    def _prune(self, seq: int) -> None:
+        """Marks at or below ``seq`` apply to jobs queued before them, all written by now."""
+        with self._lock:
+            marks, deleted = self._marks, self._deleted
+            while marks and marks[0][0] <= seq:
+                at, key = marks.popleft()
+                if deleted.get(key) == at:
+                    del deleted[key]
 
     def _not_deleted(self, entries: list[Entry], seq: int) -> list[Entry]:
         with self._lock:
             if not self._deleted:
                 return entries
-            if seq > self._deleted_upto:  # queued after every mark: none applies from here on
-                self._deleted.clear()
-                return entries
             deleted = self._deleted
-            return [e for e in entries if deleted.get(e.key, 0) < seq]
+            return [e for e in entries if deleted.get(e.key, 0) <= seq]

@@ -90,3 +90,41 @@ def test_overwriting_a_key_in_a_full_tier_evicts_nothing(tmp_path: Path) -> None
     assert tier.put([Entry(keys[1], chunk_for(keys[1]))]) == [True]
     assert tier.contains(keys) == 3 and tier.usage().evictions == 0
     assert tier.check(idle=True) == []
+
+
+def test_a_probe_never_adopts_a_file_deleted_while_it_read_the_header(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sharer's file (not in this tier's index) is probed; this tier deletes it completely
+    while the probe holds the header it read: the probe must not index a file that is gone."""
+    import kvtier.tiers.disk.tier as disk_tier
+
+    writer, tier = open_tier(tmp_path / "d"), open_tier(tmp_path / "d")
+    (key,) = fill(writer, 1)
+    inside, go = threading.Event(), threading.Event()
+    real = disk_tier.read_head
+
+    def held(path: str) -> Any:
+        out = real(path)
+        inside.set()
+        assert go.wait(10)
+        return out
+
+    monkeypatch.setattr(disk_tier, "read_head", held)
+    prober = threading.Thread(target=lambda: tier.probe([key]))
+    prober.start()
+    assert inside.wait(10)
+    monkeypatch.setattr(disk_tier, "read_head", real)
+    assert tier.delete([key]) == 1  # the sharer's file: unlinked
+    go.set()
+    prober.join(10)
+    assert tier.contains([key]) == 0 and tier.usage().entries == 0
+    assert tier.check(idle=True) == []
+
+
+def test_an_overwrite_whose_old_chunk_is_the_victim_stays_within_capacity(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "d", capacity=3 * _file_bytes(tmp_path))
+    a, b, c = fill(tier, 3)  # full; a is the least recently used
+    bigger = chunk_for(a, tokens=32)
+    assert tier.put([Entry(a, bigger)]) == [True]  # room for the difference evicts a itself
+    assert tier.usage().used_bytes <= tier.usage().capacity_bytes
+    assert tier.get([a]) == [bigger] and tier.check(idle=True) == []

@@ -134,11 +134,11 @@ def _hub_snapshot(cache: Path, repo: str, commit: str, seed: int, ref: str = "ma
 
 
 def test_hub_model_is_named_by_its_cached_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hub id named no revision in vLLM and SGLang (and, since transformers 5 stopped recording
-    ``_commit_hash``, a fingerprint of the weights in memory in transformers): a model updated
-    upstream kept the old weights' namespace in vLLM and SGLang, and no engine agreed with
-    another. Now the commit of its cached snapshot names it in all three, and an update is
-    another namespace."""
+    """A hub id named no revision in vLLM and SGLang: a model updated upstream kept the old
+    weights' namespace. Now the commit of the cached snapshot of the revision they loaded names
+    it, and an update is another namespace. transformers 5 no longer records which revision a
+    hub id was loaded at, so there a hub id is named by its weights unless revision= is passed
+    (the cache's main snapshot need not be what was loaded)."""
     import huggingface_hub.constants
     from kvtier_sglang.namespace import namespace_spec
     from kvtier_sglang.pages import PageGeometry
@@ -152,9 +152,12 @@ def test_hub_model_is_named_by_its_cached_commit(tmp_path: Path, monkeypatch: py
     c1, c2, c3 = "1" * 40, "2" * 40, "3" * 40
     snap = _hub_snapshot(cache, "org/name", c1, seed=0)
     hf = AutoModelForCausalLM.from_pretrained("org/name", cache_dir=cache, local_files_only=True)
-    # transformers >= 5 no longer records config._commit_hash: the cache names it for every engine
-    assert getattr(hf.config, "_commit_hash", None) in (None, c1)
-    assert namespace_for(hf, CHUNK).model_revision == c1
+    # transformers >= 5 no longer records which revision a hub id was loaded at: named by its
+    # weights unless the caller says (the cache's main snapshot may not be what was loaded)
+    if getattr(hf.config, "_commit_hash", None) is None:
+        assert namespace_for(hf, CHUNK).model_revision.startswith("mem-")
+    assert namespace_for(hf, CHUNK, revision=c1).model_revision == c1
+    assert namespace_for(_load(snap), CHUNK).model_revision == c1  # a snapshot directory names it
     assert model_revision("org/name") == c1 == model_revision(str(snap))  # the snapshot directory too
     stale = SimpleNamespace(_commit_hash=c1)  # an older transformers' record wins where present
     assert engine_revision(SimpleNamespace(model="elsewhere", revision=None, hf_overrides={}, hf_config=stale)) == c1

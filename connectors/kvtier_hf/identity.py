@@ -3,8 +3,9 @@
 A chunk is valid only for the exact weights and K/V-relevant config that produced it, and the
 namespace (kvtier.keys) is all that keeps another model's chunks out. Model id + hub commit
 hash is enough for a hub model loaded as published (transformers 5 no longer records
-``_commit_hash``: the commit is then the one of the snapshot in the hub cache,
-:func:`kvtier.checkpoint.model_revision`); two cases are not covered by it and served
+``_commit_hash``; a model loaded from a hub cache snapshot directory is named by that
+snapshot's commit, :func:`kvtier.checkpoint.model_revision`, but a hub id alone does not say
+which revision was loaded, so pass ``revision=``); two cases are not covered by it and served
 another model's K/V before this module (both reproduced: different greedy tokens, no error):
 
 - no revision at all: a model loaded from a local directory has no commit hash, so a checkpoint
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from typing import Any
 
 import torch
@@ -50,10 +52,13 @@ def derived_revision(model: Any) -> str:
     module docstring); logs which it used. Raises OSError when the checkpoint's weight files
     cannot be read."""
     path = str(getattr(model.config, "name_or_path", "") or "")
-    rev = model_revision(path) if path else ""
+    # A directory only: for a hub id the cache's main snapshot need not be the revision that
+    # was loaded (transformers 5 no longer records it), so a hub model without revision= is
+    # named by its weights in memory.
+    rev = model_revision(path) if path and os.path.isdir(path) else ""
     if rev:
-        log.info("model %s names no revision: using a fingerprint of its files (%s); pass "
-                 "revision= to name it", path, rev)
+        log.info("model %s names no revision: using %s (its hub snapshot's commit, or a fingerprint "
+                 "of its files); pass revision= to name it", path, rev)
         return rev
     rev = weights_fingerprint(model)
     log.info("model %s names no revision and no checkpoint directory: using a fingerprint of its "

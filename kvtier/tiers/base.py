@@ -23,8 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -323,7 +322,6 @@ class BoundedTier(TierBase):
     _used: int
     _evictions: int = 0
     _pins: frozenset[bytes] = frozenset()  # replaced (never mutated) by pin/unpin, lock held
-    _spared: bytes | None = None  # the parent of the chunk a put is making room for (lock held)
 
     def _entries(self) -> int:
         raise NotImplementedError
@@ -344,31 +342,10 @@ class BoundedTier(TierBase):
 
     def _pick_victim(self) -> bytes:
         """The policy's next victim, counted in ``usage().evictions``. Call under the lock;
-        raises :class:`~kvtier.policies.NothingToEvict` as the policy does. Never the chunk
-        a put in progress extends (:meth:`_sparing`)."""
-        spared = self._spared
-        if spared is not None and spared in self.policy and spared not in self._pins:
-            self.policy.pin(spared)
-            try:
-                victim = self.policy.evict()
-            finally:
-                self.policy.unpin(spared)
-        else:
-            victim = self.policy.evict()
+        raises :class:`~kvtier.policies.NothingToEvict` as the policy does."""
+        victim = self.policy.evict()
         self._evictions += 1
         return victim
-
-    @contextmanager
-    def _sparing(self, parent: bytes | None) -> Iterator[None]:
-        """Lock held: while a put of a chunk whose parent is ``parent`` makes room, the parent
-        is not a victim. A leaf-first policy may otherwise pick the newest chunk of the very
-        chain being written (it is a leaf until its child lands) and the child, stored anyway,
-        could never be reached: keys chain the whole prefix, a lookup stops at the gap."""
-        before, self._spared = self._spared, parent or None
-        try:
-            yield
-        finally:
-            self._spared = before
 
     def pin(self, keys: Sequence[bytes]) -> None:
         """Never evict ``keys`` (hot system prompts) until :meth:`unpin`."""

@@ -292,7 +292,7 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
 
     def _put(self, key: bytes, length: int, fill: Callable[[memoryview], None], depth: int,
              parent: bytes, evicted: list[tuple[bytes, bytes]]) -> bool:
-        res = self._reserve(length, evicted, evict=True, spare=parent)
+        res = self._reserve(length, evicted, evict=True)
         if res is None:
             return False
         try:
@@ -302,16 +302,13 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
             raise
         return self._commit(res, key, depth, parent, evicted)
 
-    def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool,
-                 spare: bytes | None = None) -> Reservation | None:
-        """A slot for ``length`` bytes (evicting, when ``evict``, anything but ``spare``)."""
+    def _reserve(self, length: int, evicted: list[tuple[bytes, bytes]], evict: bool) -> Reservation | None:
         with self._lock:
             self._check_open()
             if length > self.slot_bytes:
                 return None
             if evict:
-                with self._sparing(spare):
-                    slot = self._take_slot(evicted, self.evict_listener is not None)
+                slot = self._take_slot(evicted, self.evict_listener is not None)
             else:
                 slot = self._pop_slot()
             if slot is None:
@@ -330,11 +327,10 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
                 return False
             # A spare slot was taken: the chunk is verified now, so the eviction it needs
             # happens here (its victim's slot kept warm for the next put), never for a refusal.
-            with self._sparing(parent):
-                while len(self._map) - (key in self._map) >= self.slots:
-                    if self._evict_one(evicted, self.evict_listener is not None, reuse=True) is None:
-                        self._warm.append(slot)  # every chunk held is pinned: refused, as put is
-                        return False
+            while len(self._map) - (key in self._map) >= self.slots:
+                if self._evict_one(evicted, self.evict_listener is not None, reuse=True) is None:
+                    self._warm.append(slot)  # every chunk held is pinned: refused, as put is
+                    return False
             # Overwrite: the old slot is released (or retired if read) and kept warm, since it
             # just replaced itself with a slot this put took: rewriting keys never faults.
             self._unmap(key, reuse=True)

@@ -71,17 +71,16 @@ class MemoryTier(BoundedTier):
         if self._pins and self._used + size > self.capacity_bytes and self._unfittable(size):
             self._keep(e, old)
             return False
-        with self._sparing(e.parent):
-            while self._used + size > self.capacity_bytes:
-                try:
-                    victim = self._pick_victim()
-                except NothingToEvict:
-                    self._keep(e, old)
-                    return False
-                value = self._data.pop(victim)
-                self._used -= len(value)
-                self._remember_evicted(victim)
-                evicted.append((victim, value))
+        while self._used + size > self.capacity_bytes:
+            try:
+                victim = self._pick_victim()
+            except NothingToEvict:
+                self._keep(e, old)
+                return False
+            value = self._data.pop(victim)
+            self._used -= len(value)
+            self._remember_evicted(victim)
+            evicted.append((victim, value))
         self._data[e.key] = bytes(e.data)
         self._used += size
         self._forget_evicted(e.key)

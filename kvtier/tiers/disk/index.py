@@ -172,6 +172,24 @@ class DiskIndex(BoundedTier):
                 if self._leaving[key] <= 0:
                     del self._leaving[key]
 
+    def _begin_read(self, key: bytes) -> None:
+        """Lock NOT held: a read of ``key``'s file starts (its file is not reused meanwhile)."""
+        with self._lock:
+            self._readers[key] = self._readers.get(key, 0) + 1
+            if key in self._leaving:  # its removal started before this read could see it
+                self._dropped_reads.add(key)
+
+    def _end_read(self, key: bytes) -> bool:
+        """Lock NOT held: the read ended; True when the key was dropped here during it."""
+        with self._lock:
+            left = self._readers.pop(key) - 1
+            dropped = key in self._dropped_reads
+            if left:
+                self._readers[key] = left
+            else:
+                self._dropped_reads.discard(key)
+            return dropped
+
     def _adoptable(self, key: bytes) -> bool:
         return key not in self._leaving
 

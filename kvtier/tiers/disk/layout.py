@@ -148,7 +148,7 @@ def probe_medium(root: str, direct: bool, scratch: io.Scratch, seq: Iterator[int
     """Write and remove a probe file: proves the directory writable, and whether O_DIRECT
     works here (EINVAL means the file system refuses it: fall back to buffered I/O). Returns
     whether O_DIRECT is to be used."""
-    probe = os.path.join(root, f".probe.{os.getpid()}.{next(seq)}.tmp")
+    probe = os.path.join(root, f".probe.{os.getpid()}-{io.WRITER_TOKEN}.{next(seq)}.tmp")  # as tmp_path
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | (io.O_DIRECT if direct else 0),
                      FILE_MODE)

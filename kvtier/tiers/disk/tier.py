@@ -98,8 +98,7 @@ class DiskTier(DiskIndex):
         room): it goes through a second scratch buffer, so the first read's bytes stay, and
         is never adopted."""
         path = self._path(key)
-        with self._lock:
-            self._readers[key] = self._readers.get(key, 0) + 1
+        self._begin_read(key)
         try:
             try:
                 fd = open_regular(path, os.O_RDONLY | (io.O_DIRECT if self.direct else 0))
@@ -129,13 +128,7 @@ class DiskTier(DiskIndex):
             finally:
                 os.close(fd)
         finally:
-            with self._lock:
-                left = self._readers.pop(key) - 1
-                dropped = key in self._dropped_reads  # deleted or evicted here meanwhile
-                if left:
-                    self._readers[key] = left
-                else:
-                    self._dropped_reads.discard(key)
+            dropped = self._end_read(key)
         pending = Pending()
         with self._lock:
             if key in self._index:
@@ -158,14 +151,17 @@ class DiskTier(DiskIndex):
                     if key in self._index:
                         hits += 1
                         continue
+                self._begin_read(key)
                 try:  # a regular file holding this key's chunk header, nothing less
                     head, size = read_head(self._path(key))
                     io.check_header(head, key, size)
                 except (OSError, ChunkError):
                     with self._lock:
                         return Probe(hits, self._absent(key).reason)
+                finally:
+                    dropped = self._end_read(key)
                 with self._lock:
-                    if not self._adoptable(key):  # this tier is removing that file
+                    if dropped or not self._adoptable(key):  # this tier is removing that file
                         return Probe(hits, self._absent(key).reason)
                     self._adopt(key, size, pending)
                 hits += 1
@@ -228,8 +224,14 @@ class DiskTier(DiskIndex):
             self._check_open()
             # An overwrite frees the old file's bytes itself: room only for the difference
             # (else a full tier evicts an unrelated chunk, or refuses a pinned key's overwrite).
-            with self._sparing(e.parent):
-                reused = self._make_room(size - self._index.get(e.key, 0), pending, tmp)
+            old = self._index.get(e.key, 0)
+            reused = self._make_room(size - old, pending, tmp)
+            if reused is not None and old and e.key not in self._index:
+                # The key itself was a victim: its bytes are gone, so they no longer make room.
+                if self._make_room(size, pending) is None:
+                    if reused:
+                        pending.doomed.append(tmp)  # the victim's file renamed for reuse
+                    reused = None
             if reused is not None:
                 self._reserved += size
         if reused is None:
