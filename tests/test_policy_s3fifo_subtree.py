@@ -123,3 +123,15 @@ def test_a_parent_cycle_still_evicts_everything() -> None:
         pass
     else:
         raise AssertionError("expected NothingToEvict")
+
+
+def test_a_subtree_walk_never_resumes_below_a_removed_key() -> None:
+    """The walk down from S's head is cached; a key in its middle removed since must end it
+    there (found in review: the walk resumed under a key no longer in the subtree)."""
+    p = S3FIFOPolicy()
+    top, a, b, c, x = (bytes([i]) * 32 for i in range(5))
+    for key, depth, parent in ((top, 0, b""), (a, 1, top), (b, 2, a), (c, 3, b), (x, 1, top)):
+        p.insert(key, 1, depth, parent)
+    assert p.evict() == c  # the deepest leaf under the head first; the walk is cached
+    p.remove(a)  # b is no longer under top
+    assert p.evict() == x

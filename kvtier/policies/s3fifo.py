@@ -212,9 +212,12 @@ class S3FIFOPolicy:
         path, kids = self._path, self._kids
         if not path or path[0] != top:
             path[:] = [top]
-        else:
-            while len(path) > 1 and path[-1] not in kids.get(path[-2], ()):
-                path.pop()
+        else:  # keep the walk up to its first link that no longer holds (any key on it may
+            # have been removed since; resuming below a broken link would leave the subtree)
+            linked = 1
+            while linked < len(path) and path[linked] in kids.get(path[linked - 1], ()):
+                linked += 1
+            del path[linked:]
         key = path[-1]
         limit = len(self._nodes)
         while True:
