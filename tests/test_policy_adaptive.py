@@ -23,39 +23,10 @@ from kvtier.tiers.base import Entry
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk.tier import DiskTier
 from tests.contract import chunk_for, key_of
+from tests.policy_ops import Cache, k
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import workloads  # noqa: E402
-
-
-def k(name: str) -> bytes:
-    return name.encode()
-
-
-class Cache:
-    """A unit-size cache of ``capacity`` keys driven like bench/replay.py: per request the
-    leading run of present keys is read, the rest inserted as a chain, evicting when full."""
-
-    def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
-        self.policy, self.capacity = policy, capacity
-        self.victims: list[str] = []
-
-    def request(self, names: list[str]) -> int:
-        """Leading hits of the request."""
-        p = self.policy
-        hit = 0
-        while hit < len(names) and k(names[hit]) in p:
-            p.access(k(names[hit]))
-            hit += 1
-        parent = k(names[hit - 1]) if hit else b""
-        for depth in range(hit, len(names)):
-            key = k(names[depth])
-            if key not in p:
-                while len(p) >= self.capacity:
-                    self.victims.append(p.evict().decode())
-            p.insert(key, 1, depth, parent)
-            parent = key
-        return hit
 
 
 def test_leads_the_default() -> None:

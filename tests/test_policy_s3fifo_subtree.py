@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from kvtier.policies import NothingToEvict, S3FIFOPolicy
-from tests.policy_ops import drain, insert_all, k
+from tests.policy_ops import Cache, drain, insert_all, k
 
 
 def test_an_unread_prefix_leaves_from_its_tail() -> None:
@@ -47,7 +47,23 @@ def _replay_orphans(seed: int, capacity: int) -> tuple[int, int]:
     p = S3FIFOPolicy()
     parent_of: dict[bytes, bytes] = {}
     children: dict[bytes, int] = {}
-    orphans = evictions = 0
+    counts = {"orphans": 0, "evictions": 0}
+
+    def evicted(victim: bytes) -> None:
+        in_small = victim in p._ghost  # only an unread key leaving S leaves a ghost
+        counts["evictions"] += 1
+        if children.get(victim) and in_small:
+            counts["orphans"] += 1
+        up = parent_of.pop(victim)
+        if up:
+            children[up] -= 1
+
+    def new(key: bytes, parent: bytes) -> None:
+        parent_of[key] = parent
+        if parent:
+            children[parent] = children.get(parent, 0) + 1
+
+    cache = Cache(p, capacity, on_evict=evicted, on_new=new)
     for n in range(3000):
         if rng.random() < 0.3:
             names = [f"flood{n}.{j}" for j in range(rng.randint(4, 16))]
@@ -55,28 +71,8 @@ def _replay_orphans(seed: int, capacity: int) -> tuple[int, int]:
             prompt = min(int(rng.expovariate(0.05)), 200)
             names = [f"p{prompt}.{j}" for j in range(rng.randint(2, 10))]
             names += [f"t{n}.{j}" for j in range(rng.randint(0, 3))]
-        hit = 0
-        while hit < len(names) and k(names[hit]) in p:
-            p.access(k(names[hit]))
-            hit += 1
-        parent = k(names[hit - 1]) if hit else b""
-        for depth in range(hit, len(names)):
-            key = k(names[depth])
-            if key not in p:
-                while len(p) >= capacity:
-                    victim = p.evict()
-                    in_small = victim in p._ghost  # only an unread key leaving S leaves a ghost
-                    evictions += 1
-                    if children.get(victim) and in_small:
-                        orphans += 1
-                    up = parent_of.pop(victim)
-                    if up:
-                        children[up] -= 1
-                parent_of[key] = parent
-                if parent:
-                    children[parent] = children.get(parent, 0) + 1
-            p.insert(key, 1, depth, parent)
-            parent = key
+        cache.request(names)
+    orphans, evictions = counts["orphans"], counts["evictions"]
     return orphans, evictions
 
 
