@@ -25,25 +25,11 @@ TIMEOUT_S, STALL_S = 0.4, 6.0  # bounds below leave a busy machine seconds of sl
 
 
 def test_stalled_async_restore_is_given_up_and_never_writes_late(tmp_path: Path) -> None:
-    from kvtier.store import TieredStore
-    from tests.fakes import FaultyTier
-    from tests.test_vllm_connector_flow import C, N, _fill, _halves, _run_step, _wait_saved
+    from tests.test_vllm_connector_flow import C, N, _run_step, saved_on_faulty_tier
     from tests.vllm_halves import fake_request, scheduler_output
 
-    sched, worker, caches = _halves(tmp_path, async_load="always", load_decision="always",
-                                    prefetch=False, async_load_timeout_s=TIMEOUT_S)
-    tier = FaultyTier(64 << 20, name="cpu")
-    worker.store = TieredStore([tier], metrics=worker.metrics)
-    try:
-        tokens = list(range(5, 5 + 3 * C + 4))
-        first = list(range(0, 7))
-        r1 = fake_request("r1", tokens)
-        sched.get_num_new_matched_tokens(r1, 0)
-        sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
-        _run_step(sched, worker, scheduler_output([(r1, first, 0)], {"r1": len(tokens)}), caches,
-                  _fill(first, 3))
-        _wait_saved(worker, 3)
-        sched.request_finished(r1)
+    with saved_on_faulty_tier(tmp_path, async_load="always", async_load_timeout_s=TIMEOUT_S) as saved:
+        sched, worker, caches, tier, tokens, first = saved
         chunk_bytes = tier.usage().used_bytes // 3
         restored = 3 * C // N
 
@@ -94,6 +80,4 @@ def test_stalled_async_restore_is_given_up_and_never_writes_late(tmp_path: Path)
         assert not errors
         for t in caches.values():
             assert torch.equal(t[blocks5[:restored]], t[first[:restored]])
-    finally:
-        worker.shutdown()
-        sched.shutdown()
+

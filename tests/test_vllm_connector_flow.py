@@ -10,9 +10,11 @@ import importlib.util
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -63,6 +65,40 @@ def _wait_saved(worker: Any, n: int) -> None:
     while worker.store.tiers[0].usage().entries < n and time.monotonic() < end:
         time.sleep(0.01)
     assert worker.store.tiers[0].usage().entries >= n
+
+
+class SavedPrefix(NamedTuple):
+    sched: Any
+    worker: Any
+    caches: dict[str, torch.Tensor]
+    tier: Any  # tests.fakes.FaultyTier: reads throttle with ``read_bytes_per_s``
+    tokens: list[int]  # 3 full chunks and a tail
+    first: list[int]  # the blocks they were computed in
+
+
+@contextmanager
+def saved_on_faulty_tier(tmp_path: Path, **vllm: Any) -> Iterator[SavedPrefix]:
+    """Both halves over the fault-injecting tier, holding a 3-chunk prefix saved by request
+    r1 (finished); shut down afterwards. For the load-deadline tests: they throttle its reads."""
+    from kvtier.store import TieredStore
+    from tests.fakes import FaultyTier
+
+    sched, worker, caches = _halves(tmp_path, load_decision="always", prefetch=False, **vllm)
+    tier = FaultyTier(64 << 20, name="cpu")
+    worker.store = TieredStore([tier], metrics=worker.metrics)
+    try:
+        tokens = list(range(5, 5 + 3 * C + 4))
+        first = list(range(0, 7))
+        r1 = _req("r1", tokens)
+        sched.get_num_new_matched_tokens(r1, 0)
+        sched.update_state_after_alloc(r1, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+        _run_step(sched, worker, _output([(r1, first, 0)], {"r1": len(tokens)}), caches, _fill(first, 3))
+        _wait_saved(worker, 3)
+        sched.request_finished(r1)
+        yield SavedPrefix(sched, worker, caches, tier, tokens, first)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
 
 
 TOKENS = list(range(7, 7 + 5 * N + 3))  # 83 tokens: 2 full chunks + a tail
