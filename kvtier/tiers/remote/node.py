@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -42,7 +42,8 @@ from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe, copy_into
 from kvtier.tiers.remote.channel import channel_options, client_ssl_context
 from kvtier.tiers.remote.data_path import SocketDataPath
-from kvtier.tiers.remote.errors import REFUSALS, NodeError, check_chunk, rpc_error
+from kvtier.tiers.remote.errors import REFUSALS, NodeError, rpc_error
+from kvtier.tiers.remote.grpc_bytes import get_results, put_messages, visit_all
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bytes, memoryview)
@@ -51,7 +52,6 @@ _DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries by
 _DATA_RETRY_MAX_S = 120.0  # doubling per failure in a row up to this
 _ATTACH_SHARE = 0.1  # of timeout_s: what a verb's data-path attach may take of its deadline
 _ATTACH_MIN_S = 0.05  # ...but at least this (a TLS or shm handshake on a short timeout_s)
-_PUT_MESSAGE_BYTES = 8 << 20  # chunks per PutRequest message, by bytes (bigger: more latency)
 
 
 class NodeClient:
@@ -285,22 +285,16 @@ class NodeClient:
 
     # --- chunk bytes over gRPC ------------------------------------------------------------------
     def grpc_get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
-        out: list[bytes | Miss] = [Miss(ERROR)] * len(keys)
         try:
-            for reply in self._ensure_channel().Get(pb.GetRequest(keys=keys), timeout=self._timeout(deadline),
-                                       metadata=self.metadata):
-                for item in reply.items:
-                    if item.index >= len(keys):
-                        raise NodeError(ERROR, f"{self.address}: Get reply index {item.index} out of range", down=True)
-                    out[item.index] = (Miss(item.miss_reason or ERROR) if item.miss_reason
-                                       else check_chunk(keys[item.index], item.chunk))
+            replies = self._ensure_channel().Get(pb.GetRequest(keys=keys), timeout=self._timeout(deadline),
+                                                 metadata=self.metadata)
+            return get_results(self.address, keys, replies)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Get") from None
-        return out
 
     def grpc_put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         try:
-            reply = self._ensure_channel().Put(_put_messages(entries), timeout=self._timeout(deadline),
+            reply = self._ensure_channel().Put(put_messages(entries), timeout=self._timeout(deadline),
                                   metadata=self.metadata)
         except grpc.RpcError as exc:
             raise rpc_error(exc, f"{self.address} Put") from None
@@ -336,7 +330,7 @@ class NodeClient:
                   deadline: float) -> list[int | Miss]:
         """``visit(i, view)`` for each chunk found, where it lies (SocketDataPath.get_visit)."""
         return self._fast_or_grpc(deadline, lambda data: data.get_visit(keys, visit, deadline),
-                                  lambda: _visit_all(self.grpc_get(keys, deadline), visit))
+                                  lambda: visit_all(self.grpc_get(keys, deadline), visit))
 
     def put(self, entries: Sequence[Entry], deadline: float) -> list[bool]:
         return self._fast_or_grpc(deadline, lambda data: data.put(entries, deadline),
@@ -386,21 +380,3 @@ class NodeClient:
         if channel is not None:
             channel.close()
 
-
-def _visit_all(values: Sequence[bytes | Miss], visit: Callable[[int, memoryview], None]) -> list[int | Miss]:
-    for i, value in enumerate(values):
-        if not isinstance(value, Miss):
-            visit(i, memoryview(value))
-    return [v if isinstance(v, Miss) else len(v) for v in values]
-
-
-def _put_messages(entries: Sequence[Entry]) -> Any:
-    msg, size = pb.PutRequest(), 0
-    for e in entries:
-        if msg.items and size + len(e.data) > _PUT_MESSAGE_BYTES:
-            yield msg
-            msg, size = pb.PutRequest(), 0
-        msg.items.add(key=e.key, chunk=bytes(e.data), depth=e.depth, parent=e.parent)
-        size += len(e.data)
-    if msg.items:
-        yield msg
