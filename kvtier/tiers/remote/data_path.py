@@ -1,9 +1,9 @@
 """Client of a kvtier-server data port (kvtier.protocol.frames frames over TCP or TLS).
 
-A small pool of connections per node; a verb checks one out, runs one request on it and
-puts it back, so concurrent callers use separate connections (up to ``connections``, then
-they wait for one within their deadline). A connection that fails or times out mid-request
-is closed (its framing is lost), never reused.
+A small pool of connections per node (:class:`~kvtier.tiers.remote.data_pool.DataConnPool`);
+a verb checks one out, runs one request on it and puts it back, so concurrent callers use
+separate connections (up to ``connections``, then they wait for one within their deadline). A
+connection that fails or times out mid-request is closed (its framing is lost), never reused.
 
 Shared memory (``shm=True``, same host): each connection asks the server for a segment in
 /dev/shm and maps it; chunks then travel as references into it (one copy on each side, none
@@ -20,167 +20,47 @@ time left before every frame, so a blocking ``MSG_WAITALL`` read still ends in t
 Lookups: ``lookup`` asks a node that names LOOKUP in its WELCOME on a connection free now
 (never waiting behind chunk transfers); otherwise it returns None and the caller uses gRPC.
 
-This module holds the pool and the verbs (batching, retry on a stale pooled connection,
-errors mapped to :class:`~kvtier.tiers.remote.node.NodeError`); one connection's framing,
+This module holds the verbs (batching, retry on a stale pooled connection, errors mapped to :class:`~kvtier.tiers.remote.node.NodeError`); one connection's framing,
 deadlines and shared segment are :class:`~kvtier.tiers.remote.data_conn.DataConn`.
 """
 
 from __future__ import annotations
 
-import socket
 import ssl
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtier.memcopy import copy_into
-from kvtier.protocol.frames import (
-    ERROR as FRAME_ERROR,
-)
+from kvtier.protocol.frames import ERROR as FRAME_ERROR
 from kvtier.protocol.frames import (
     OP_LOOKUP,
     ProtocolError,
-    WireLimits,
     encode_get,
-    encode_hello,
     encode_lookup,
     encode_put,
     encode_put_ref,
     parse_lookup_reply,
     parse_put_reply,
     parse_text,
-    parse_welcome,
-    welcome_ops,
 )
 from kvtier.protocol.socket_io import send_all
 from kvtier.protocol.wire import placed_bytes
-from kvtier.tiers.base import ABSENT, ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe
-from kvtier.tiers.remote.batching import RequestCutter
+from kvtier.tiers.base import ABSENT, NODE_DOWN, Entry, FilledEntry, Miss, Probe
 from kvtier.tiers.remote.data_conn import DataConn, Visit
+from kvtier.tiers.remote.data_pool import DataConnPool
 from kvtier.tiers.remote.errors import (
-    REQUEST_CODES,
     NodeError,
     check_chunk,
     io_error,
     no_time_left,
     refused,
 )
-from kvtier.tiers.remote.heap import retain_freed_blocks
 
 T = TypeVar("T")
 
 
-class SocketDataPath:
+class SocketDataPath(DataConnPool):
     """Thread-safe; see the module docstring."""
-
-    def __init__(self, host: str, port: int, token: str, tls: ssl.SSLContext | None,
-                 server_hostname: str, limits: WireLimits, connections: int, shm: bool = False) -> None:
-        self.host = host
-        self.port = port
-        self.token = token
-        self.tls = tls
-        self.server_hostname = server_hostname
-        self.limits = limits
-        self.shm = shm  # still wanted: cleared when a segment cannot be mapped
-        self._cut = RequestCutter(limits.max_batch_keys)  # requests cut to fit the segment
-        self._idle: list[DataConn] = []
-        self._slots = threading.BoundedSemaphore(connections)
-        self._lock = threading.Lock()
-        self._closed = False
-        retain_freed_blocks()  # get's fresh chunk bytes reuse freed heap pages (kvtier.tiers.remote.heap)
-
-    # --- connections ------------------------------------------------------------------------------
-    def connect(self, deadline: float) -> DataConn:
-        left = deadline - time.monotonic()
-        if left <= 0:  # the caller is late, the node did nothing wrong: not a reason to mark it down
-            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no time left to connect", down=False)
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=left)
-        except TimeoutError:
-            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: connect timed out", down=True) from None
-        except OSError as exc:
-            raise NodeError(NODE_DOWN, f"data path {self.host}:{self.port}: {exc}", down=True) from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_hostname=self.server_hostname)
-            else:
-                sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO/SO_SNDTIMEO
-            conn = DataConn(sock, self.limits)
-            if not conn.arm(deadline):  # connected, nothing sent yet: the caller is late
-                raise no_time_left(f"data path {self.host}:{self.port} handshake")
-            send_all(conn.sock, encode_hello(self.token))
-            frame = conn.read(deadline)
-            if frame.type == FRAME_ERROR:
-                code = REQUEST_CODES.get(frame.header.count, "UNKNOWN")
-                raise NodeError(ERROR, f"data path {self.host}:{self.port}: {code}: {parse_text(frame)}", down=True, code=code)
-            conn.ops = welcome_ops(parse_welcome(frame))
-            if self.shm and not conn.open_shm(deadline):
-                self.shm = False
-            if conn.shm is not None:
-                self._cut.segment_bytes = conn.shm.nbytes
-            return conn
-        except NodeError:
-            sock.close()
-            raise
-        except (OSError, ProtocolError, ssl.SSLError) as exc:
-            sock.close()
-            raise io_error(exc, f"data path {self.host}:{self.port} handshake") from None
-
-    def _checkout(self, deadline: float) -> DataConn:
-        """A connection for one request (idle or new), waiting for one within ``deadline``."""
-        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise NodeError(TIMEOUT, f"data path {self.host}:{self.port}: no free connection in time", down=False)
-        return self._take(deadline)
-
-    def _checkout_armed(self, deadline: float, what: str) -> DataConn:
-        """:meth:`_checkout`, with the connection's socket deadline armed for a request. No time
-        left before anything was sent is the caller's lateness (a wave or a retry that started
-        late), never the node's: NodeError(TIMEOUT, down=False), the connection back in the pool."""
-        conn = self._checkout(deadline)
-        if not conn.arm(deadline):
-            self._checkin(conn, True)
-            raise no_time_left(f"data path {self.host}:{self.port} {what}")
-        return conn
-
-    def _checkout_now(self, deadline: float) -> DataConn | None:
-        """A connection if one is free now (idle or new), else None: no wait."""
-        return self._take(deadline) if self._slots.acquire(blocking=False) else None
-
-    def _take(self, deadline: float) -> DataConn:
-        """With a slot held: an idle connection, or a new one (the slot is given back if that fails)."""
-        with self._lock:
-            if self._closed:
-                self._slots.release()
-                raise NodeError(NODE_DOWN, "data path closed", down=False)
-            if self._idle:
-                conn = self._idle.pop()
-                conn.reused = True
-                return conn
-        try:
-            return self.connect(deadline)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def handshake(self, deadline: float) -> None:
-        """Connect and authenticate one connection now (it joins the idle pool), so that a node
-        whose data path is unusable is found at start-up rather than on the first verb.
-        Raises :class:`NodeError` as the verbs do."""
-        self._checkin(self._checkout(deadline), True)
-
-    def _checkin(self, conn: DataConn, ok: bool) -> None:
-        conn.targets = None
-        conn.overflow = {}
-        conn.following = 0
-        with self._lock:
-            if ok and not self._closed:
-                self._idle.append(conn)
-                conn = None  # type: ignore[assignment]
-        if conn is not None:
-            conn.close()
-        self._slots.release()
 
     # --- verbs ------------------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
@@ -249,10 +129,7 @@ class SocketDataPath:
         try:
             return op(*args)
         except _Stale:
-            with self._lock:
-                idle, self._idle = self._idle, []
-            for conn in idle:
-                conn.close()
+            self.drop_idle()
             try:
                 return op(*args)
             except _Stale:
@@ -379,18 +256,6 @@ class SocketDataPath:
             else:
                 data = e.materialize().data if isinstance(e, FilledEntry) else e.data
                 send_all(conn.sock, encode_put(e.key, memoryview(data).cast("B"), e.depth, e.parent, i < last))
-
-    @property
-    def kind(self) -> str:
-        return "shm" if self.shm else "socket"
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
 
 class _Stale(Exception):
     """A connection from the idle pool turned out closed by the peer."""
