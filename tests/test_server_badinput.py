@@ -1,20 +1,17 @@
 """Bad input: malformed and random protobuf bytes, oversized messages, wrong key lengths,
 chunks that contradict their request or fail their checksum, garbage on the data port. Each
 gets a clear status and the server stays up (a Health call after the barrage says SERVING).
-Plus a hypothesis fuzz of the servicer's request decoding."""
+The servicer's request decoding is fuzzed in process in tests/test_server_requests_fuzz.py."""
 
 from __future__ import annotations
 
 import random
 import socket
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvtier.chunk import HEADER_SIZE
 from kvtier.protocol.frames import (
@@ -34,14 +31,6 @@ from kvtier.protocol.frames import (
 )
 from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.protocol.socket_io import read_frame, send_all
-from kvtier.server.requests import (
-    BadRequest,
-    Limits,
-    decode_info,
-    decode_keys,
-    decode_put,
-    decode_stats,
-)
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
 MAX_MESSAGE = 2 << 20
@@ -314,26 +303,6 @@ def test_messages_of_many_empty_items_are_refused_before_parsing(channel: grpc.C
     assert_serving(server)
 
 
-def test_the_item_count_is_checked_before_the_parser_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In process, the servicer's decoders: a flood is refused without calling protobuf's
-    parser at all (the server test above would pass, only slower, if it were parsed first)."""
-    from kvtier.server import requests
-
-    def no_parse(*args: object) -> None:
-        raise AssertionError("parsed before the count was checked")
-
-    monkeypatch.setattr(requests, "_parse", no_parse)
-    flood = b"\x0a\x00" * (MAX_KEYS * 17 + 1)  # more bytes than MAX_KEYS keys of 34 bytes take
-    for decode in (DECODERS["Put"], DECODERS["Lookup"], DECODERS["Get"], DECODERS["Delete"]):
-        with pytest.raises(BadRequest, match="max_batch_keys") as info:
-            decode(flood)
-        assert info.value.code == Code.RESOURCE_EXHAUSTED
-    # Fields of every wire type count, and one more than the limit is enough to refuse.
-    mixed = (b"\x08\x01" + b"\x11" + bytes(8) + b"\x1d" + bytes(4) + b"\x0a\x00") * ((MAX_KEYS + 4) // 4)
-    with pytest.raises(BadRequest, match="max_batch_keys"):
-        DECODERS["Put"](mixed[: (MAX_KEYS + 1) // 4 * 17 + 17])
-
-
 def test_a_put_stream_refused_midway_leaves_nothing(channel: grpc.Channel, server: ServerProc) -> None:
     """A Put call is all or nothing across its messages: the second message's corrupt chunk
     takes back what the first newly stored; a chunk that was there before stays."""
@@ -347,58 +316,3 @@ def test_a_put_stream_refused_midway_leaves_nothing(channel: grpc.Channel, serve
     assert _stored(server, [a, b]) == 0
     assert _stored(server, [before]) == 1
     assert_serving(server)
-
-
-# --- fuzz the request decoding (in process: the exact functions the servicer calls) ----------------
-LIMITS = Limits(max_batch_keys=MAX_KEYS, max_chunk_bytes=MAX_CHUNK, max_message_bytes=MAX_MESSAGE)
-DECODERS: dict[str, Callable[[bytes], Any]] = {
-    "Lookup": lambda raw: decode_keys(raw, "Lookup", LIMITS),
-    "Get": lambda raw: decode_keys(raw, "Get", LIMITS),
-    "Delete": lambda raw: decode_keys(raw, "Delete", LIMITS),
-    "Put": lambda raw: decode_put(raw, LIMITS),
-    "Stats": decode_stats,
-    "Info": decode_info,
-}
-
-
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(method=st.sampled_from(sorted(DECODERS)), raw=st.binary(max_size=600))
-def test_fuzz_raw_request_bytes(method: str, raw: bytes) -> None:
-    try:
-        result = DECODERS[method](raw)
-    except BadRequest as exc:
-        assert exc.code in (Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.DATA_LOSS) and exc.message
-        return
-    if method in ("Lookup", "Get", "Delete"):
-        assert all(len(k) == 32 for k in result) and len(result) <= MAX_KEYS
-
-
-_VALID_KEY = make_keys(1, seed=45)[0]
-_VALID_CHUNK = make_chunk(_VALID_KEY, 256)
-
-
-@st.composite
-def put_items(draw: st.DrawFn) -> pb.PutItem:
-    key = draw(st.one_of(st.just(_VALID_KEY), st.binary(min_size=0, max_size=40)))
-    chunk = bytearray(_VALID_CHUNK)
-    for _ in range(draw(st.integers(0, 3))):  # a few mutations of a valid chunk
-        if chunk:
-            chunk[draw(st.integers(0, len(chunk) - 1))] = draw(st.integers(0, 255))
-    cut = draw(st.integers(0, len(chunk)))
-    data = bytes(chunk[:cut]) if draw(st.booleans()) else bytes(chunk)
-    parent = draw(st.one_of(st.just(b""), st.binary(min_size=0, max_size=40)))
-    return pb.PutItem(key=key, chunk=data, depth=draw(st.integers(0, 2**32 - 1)), parent=parent)
-
-
-@settings(max_examples=300, deadline=None)
-@given(items=st.lists(put_items(), max_size=5))
-def test_fuzz_put_requests(items: list[pb.PutItem]) -> None:
-    raw = pb.PutRequest(items=items).SerializeToString()
-    try:
-        entries = decode_put(raw, LIMITS)
-    except BadRequest as exc:
-        assert exc.code in (Code.INVALID_ARGUMENT, Code.DATA_LOSS, Code.RESOURCE_EXHAUSTED) and exc.message
-        return
-    # Accepted means: exactly the valid chunk under its own key (mutations of a checksummed
-    # chunk cannot survive verification except by a 2^-64 chance).
-    assert all(e.key == _VALID_KEY and bytes(e.data) == _VALID_CHUNK for e in entries)
