@@ -66,6 +66,24 @@ class ServerProc:
             self.proc.wait(5)
             raise AssertionError(f"{self.name} ignored SIGTERM for {timeout}s\n{self.log}") from None
 
+    def hang(self, timeout: float = 10.0) -> None:
+        """SIGSTOP (the node accepts connections and answers nothing) and wait until every
+        thread of it has stopped: ``kill`` returns before they have, and on a loaded host a
+        thread may still answer a request sent right after it."""
+        self.proc.send_signal(signal.SIGSTOP)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            states = []
+            for stat in Path(f"/proc/{self.proc.pid}/task").glob("*/stat"):
+                try:  # the state follows the command name's closing parenthesis
+                    states.append(stat.read_text().rpartition(")")[2].split()[0])
+                except (FileNotFoundError, ProcessLookupError, IndexError):
+                    continue
+            if states and all(s in ("T", "t") for s in states):
+                return
+            time.sleep(0.001)
+        raise AssertionError(f"{self.name} did not stop within {timeout}s")
+
     def kill(self) -> None:
         if self.alive():
             self.proc.kill()

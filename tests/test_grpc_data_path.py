@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.config import GrpcTierConfig
 from kvtier.tiers.base import Entry, Miss
-from kvtier.tiers.remote import GrpcTier, node
+from kvtier.tiers.remote import GrpcTier, data_slot
 from tests.kvtier_servers import ServerProc, make_chunk, make_keys, start_server
 
 
@@ -139,7 +139,7 @@ def test_a_data_port_that_never_answers_costs_a_verb_little(server: ServerProc,
     """Each (re-)attach of the data path gets a tenth of the verb's deadline and the retries
     back off, so every get is served over gRPC in good time. The attach had the caller's whole
     deadline: every retry interval one get stalled timeout_s and missed with ``timeout``."""
-    monkeypatch.setattr(node, "_DATA_RETRY_S", 0.2)  # retries due within the test (5 s in use)
+    monkeypatch.setattr(data_slot, "RETRY_S", 0.2)  # retries due within the test (5 s in use)
     hole = _Blackhole(server)
     timeout = 1.0
     try:
@@ -162,7 +162,7 @@ def test_a_data_port_that_never_answers_costs_a_verb_little(server: ServerProc,
                 time.sleep(0.02)
             assert misses == []
             assert slowest < timeout / 2, slowest  # an attach may take 0.1 s; gRPC keeps the rest
-            assert 2 <= client._data_failures <= 5, client._data_failures  # retried, backing off
+            assert 2 <= client.data_slot.failures <= 5, client.data_slot.failures  # retried, backing off
             assert tier.nodes_down() == []
         finally:
             tier.close()

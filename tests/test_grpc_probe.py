@@ -1,7 +1,8 @@
 """The grpc tier's probe against real kvtier-server processes: with replication it counts every
 leading key some live replica holds (a hole on one replica hides nothing), a hung replica
-neither stalls it nor gets healthy nodes marked down, and a call that had no time left before
-it sent anything is a timeout that never marks its node down."""
+neither stalls it nor gets healthy nodes marked down, a call that had no time left before it
+sent anything (or less than its fair share) is a timeout that never marks its node down, and
+a node that stopped answering is not asked again while its calls wait."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_a_hung_replica_neither_stalls_a_probe_nor_takes_healthy_nodes_down(flee
         keys = make_keys(32, seed=5)
         assert tier.put([Entry(k, make_chunk(k, 4000, i), i) for i, k in enumerate(keys)]) == [True] * 32
         assert tier.probe(keys).hits == 32
-        hung.proc.send_signal(signal.SIGSTOP)
+        hung.hang()
         start = time.monotonic()
         probe = tier.probe(keys)
         took = time.monotonic() - start
@@ -116,12 +117,15 @@ def test_a_probe_stuck_on_a_hung_node_stops_at_the_deadline(fleet: list[ServerPr
         keys = make_keys(64, seed=6)
         assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 64
         first_hung = next(i for i, k in enumerate(keys) if tier.replicas(k) == [hung.address])
-        hung.proc.send_signal(signal.SIGSTOP)
+        hung.hang()
         start = time.monotonic()
         probe = tier.probe(keys)
         took = time.monotonic() - start
         assert (probe.hits, probe.reason) == (first_hung, TIMEOUT)
         assert took < timeout + 1.0, took
+        end = time.monotonic() + timeout + 10  # the call may still be in flight (it stalled)
+        while hung.address not in tier.nodes_down() and time.monotonic() < end:
+            time.sleep(0.05)
         assert tier.nodes_down() == [hung.address]
     finally:
         hung.proc.send_signal(signal.SIGCONT)
@@ -155,4 +159,77 @@ def test_a_call_with_no_time_left_is_a_timeout_that_leaves_the_node_up(fleet: li
         assert tier.get(keys) == chunks  # the connections are still in step
         assert tier.probe(keys).hits == 4 and tier.nodes_down() == []
     finally:
+        tier.close()
+
+
+def _with_a_healthy_first_key(tier: GrpcTier, hung: str, n: int, seed: int) -> list[bytes]:
+    """``n`` keys whose first is on a healthy node and second on ``hung`` (R=1), so the
+    probe's first wave asks both nodes at once (on the pool, not the caller's thread)."""
+    for s in range(seed, seed + 500):
+        keys = make_keys(n, seed=s)
+        if tier.replicas(keys[0]) != [hung] and tier.replicas(keys[1]) == [hung]:
+            return keys
+    raise AssertionError("no such key set: pick other seeds")
+
+
+def test_a_call_given_too_little_time_does_not_mark_a_hung_node_down(fleet: list[ServerProc]) -> None:
+    """A call that starts with less than half of ``timeout_s`` left (it waited in the caller's
+    pool behind calls to a hung node) and times out is not held against its node: with 96
+    threads probing 3 nodes at R=2, one SIGSTOPped node used to starve the pool until calls
+    to the healthy ones started late, timed out and marked them down too (every key then
+    missed with node_down for the backoff). The same call given its full time marks it down."""
+    timeout = 2.0
+    hung = fleet[2]
+    tier = _tier([hung], timeout_s=timeout, backoff_s=30, backoff_max_s=30)
+    try:
+        keys = make_keys(4, seed=9)
+        assert tier.probe(keys).reason  # connected while the node still answers
+        client = tier.nodes[0]
+        hung.hang()
+        short = time.monotonic() + timeout * 0.2
+        with pytest.raises(NodeError) as caught, client.use(short):
+            client.lookup(keys, short)
+        assert (caught.value.reason, caught.value.down) == (TIMEOUT, False), caught.value
+        assert "not held against the node" in str(caught.value)
+        full = time.monotonic() + timeout
+        with pytest.raises(NodeError) as caught, client.use(full):
+            client.lookup(keys, full)
+        assert (caught.value.reason, caught.value.down) == (TIMEOUT, True), caught.value
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+        tier.close()
+
+
+def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[ServerProc]) -> None:
+    """R=1, a node SIGSTOPped: until its first call times out and marks it down, the node is
+    "stalled" (calls unanswered for a quarter of ``timeout_s``). A probe or read that comes
+    then gets a ``timeout`` miss at once instead of one more thread held for the whole
+    deadline, and a probe already waiting for it on the pool stops waiting when it stalls."""
+    timeout = 2.0
+    hung = fleet[2]
+    tier = _tier(fleet, timeout_s=timeout, backoff_s=30, backoff_max_s=30)
+    try:
+        keys = _with_a_healthy_first_key(tier, hung.address, 8, seed=300)
+        assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 8
+        assert tier.probe(keys).hits == 8
+        hung.hang()
+        start = time.monotonic()
+        first = tier.probe(keys)  # its first wave waits on the pool for the hung node's answer
+        took = time.monotonic() - start
+        assert (first.hits, first.reason) == (1, TIMEOUT)
+        assert took < timeout * 0.6, took  # stopped when the node stalled (it waited 2 s)
+        assert tier.nodes_down() == []  # that call is still in flight: nothing timed out yet
+        assert tier.nodes[[n.address for n in tier.nodes].index(hung.address)].stalled
+        start = time.monotonic()
+        again = tier.probe(keys)
+        got = tier.get(keys[1:2])
+        took = time.monotonic() - start
+        assert (again.hits, again.reason) == (1, TIMEOUT) and got == [Miss(TIMEOUT)]
+        assert took < timeout * 0.25, took  # not asked: the node owes answers already
+        end = time.monotonic() + timeout + 10
+        while hung.address not in tier.nodes_down() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert tier.nodes_down() == [hung.address]  # by the first call's own timeout
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
         tier.close()

@@ -110,7 +110,7 @@ def test_hung_node_times_out_within_deadline_then_recovers(tmp_path: Path) -> No
         assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 40
         on_hung = {i for i, k in enumerate(keys) if tier.replicas(k) == [nodes[0].address]}
         assert 0 < len(on_hung) < 40
-        os.kill(nodes[0].proc.pid, signal.SIGSTOP)  # accepts TCP, answers nothing: a hang
+        nodes[0].hang()  # accepts TCP, answers nothing
         calls: list[tuple[str, float]] = []
         try:
             first = _timed(calls, "get", lambda: tier.get(keys))
@@ -131,6 +131,37 @@ def test_hung_node_times_out_within_deadline_then_recovers(tmp_path: Path) -> No
         assert tier.nodes_down() == []
         got = tier.get(keys[1:])
         assert got == chunks[1:]
+    finally:
+        tier.close()
+        for n in nodes:
+            n.stop()
+
+
+def test_a_read_skips_a_stalled_replica_before_it_is_marked_down(tmp_path: Path) -> None:
+    """R=2, a node hung: a probe is answered by the other replicas, its lookup to the hung node
+    left waiting. Until that call times out the node is not down, only stalled; a read of keys
+    whose best replica it is then goes to the other replica at once (it waited for the hedge,
+    half the timeout, on every read)."""
+    nodes = _cluster(tmp_path, 3)
+    timeout = 2.0
+    tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=tuple(n.address for n in nodes), replication=2,
+                                   timeout_s=timeout, hedge_after=0.5, group_chunks=1,
+                                   backoff_s=30.0, backoff_max_s=30.0))
+    try:
+        keys = [k for k in make_keys(60, seed=13) if tier.replicas(k)[0] == nodes[0].address][:8]
+        chunks = [make_chunk(k, 8000, i) for i, k in enumerate(keys)]
+        assert len(keys) == 8 and tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 8
+        nodes[0].hang()
+        try:
+            assert tier.probe(keys).hits == 8
+            time.sleep(timeout * 0.25 + 0.2)  # the lookup to the hung node is owed that long
+            start = time.monotonic()
+            assert tier.get(keys) == chunks
+            took = time.monotonic() - start
+            assert tier.nodes_down() == []  # the probe's call to it is still in flight
+            assert took < timeout * 0.25, took
+        finally:
+            os.kill(nodes[0].proc.pid, signal.SIGCONT)
     finally:
         tier.close()
         for n in nodes:

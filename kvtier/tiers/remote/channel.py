@@ -1,6 +1,6 @@
 """How the grpc tier reaches a kvtier-server: bearer token, TLS (channel credentials and the
-data path's SSL context, from the same files) and channel options. Configuration only: no
-connection is opened here (:mod:`kvtier.tiers.remote.node` opens them)."""
+data path's SSL context, from the same files), channel options and which data path to use.
+Configuration only: no connection is opened here (:mod:`kvtier.tiers.remote.node` opens them)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ import grpc
 
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import TierUnavailableError
+from kvtier.protocol.addresses import is_loopback
+from kvtier.protocol.frames import WireLimits
+from kvtier.protocol.gen import kvtier_pb2 as pb
+from kvtier.tiers.remote.data_path import SocketDataPath
 
 
 def read_token(cfg: GrpcTierConfig) -> str:
@@ -68,3 +72,20 @@ def channel_options(cfg: GrpcTierConfig) -> list[tuple[str, Any]]:
     if cfg.tls_server_name:
         opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
     return opts
+
+
+def advertised_data_path(info: pb.InfoReply | None, cfg: GrpcTierConfig, host: str, token: str,
+                         max_chunk_bytes: int) -> SocketDataPath | None:
+    """The fastest data path ``cfg.data_path`` allows among those ``info`` advertised, not yet
+    connected; None when chunk bytes are to use gRPC (none advertised, or ``data_path: grpc``)."""
+    kinds = {e.kind: e for e in info.data_endpoints} if info else {}
+    endpoint = kinds.get("socket")
+    if cfg.data_path == "grpc" or endpoint is None or info is None:
+        return None
+    host = endpoint.address or host
+    # Shared memory only towards this host: "auto" takes it for a loopback address, "shm"
+    # asks for it whatever the address (a node reached by another name on this host).
+    shm = "shm" in kinds and (cfg.data_path == "shm" or (cfg.data_path == "auto" and is_loopback(host)))
+    tls = client_ssl_context(cfg) if endpoint.tls else None
+    return SocketDataPath(host, endpoint.port, token, tls, cfg.tls_server_name or host,
+                          WireLimits(max_chunk_bytes, info.max_batch_keys or 4096), cfg.connections, shm=shm)

@@ -1,8 +1,9 @@
 """A read over replicas: best live replica first, the next one on a miss, hedged when slow.
 
-Each key is asked of its first live replica (one call per node for all its keys). A key that
-misses there is asked of its next replica in a later round (a replica written while the first
-was down may hold it). With ``hedge_s`` > 0, the keys of a node that has not answered
+Each key is asked of its first live replica (one call per node for all its keys; a stalled
+node, :attr:`NodeClient.stalled`, is passed over as if down, its keys missing with ``timeout``
+when no other replica answers). A key that misses there is asked of its next replica in a
+later round (a replica written while the first was down may hold it). With ``hedge_s`` > 0, the keys of a node that has not answered
 ``hedge_s`` after the round started are also asked of their next live replica at once, and
 each key takes the first hit; the slow call is left to end by its deadline (a NodeError it
 raises then still marks its node down).
@@ -23,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from functools import partial
 from typing import TypeVar
 
-from kvtier.tiers.base import NODE_DOWN, Miss
+from kvtier.tiers.base import NODE_DOWN, TIMEOUT, Miss
 from kvtier.tiers.remote.cluster import ClusterView
 from kvtier.tiers.remote.errors import NodeError
 from kvtier.tiers.remote.node import NodeClient
@@ -42,6 +43,8 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
         client = view.clients.get(only)
         if client is None or not client.up:
             return [Miss(NODE_DOWN)] * n
+        if client.stalled:
+            return [Miss(TIMEOUT)] * n
         try:
             with client.use(deadline):
                 return list(fetch(client, list(range(n)), deadline))
@@ -53,11 +56,15 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
     done_keys: set[int] = set()  # keys served
     tried: list[set[str]] = [set() for _ in range(n)]
 
+    stalled: set[int] = set()  # keys a stalled replica was skipped for
+
     def live_next(pos: int) -> str | None:
         for name in placement[pos]:
             client = view.clients.get(name)
             if name not in tried[pos] and client is not None and client.up:
-                return name
+                if not client.stalled:
+                    return name
+                stalled.add(pos)
         return None
 
     def call(name: str, positions: list[int]) -> Sequence[V | Miss]:
@@ -134,6 +141,8 @@ def read_hedged(view: ClusterView, placement: Sequence[Sequence[str]], fetch: Fe
             fut.add_done_callback(partial(late_failure, client=view.clients[name], failed=failed))
         todo = [p for p in range(n) if p not in done_keys and live_next(p) is not None
                 and not any(p in ps for _, ps in pending.values())]
+    for pos in stalled - done_keys - answered:
+        out[pos] = Miss(TIMEOUT)  # no replica answered; one was there but had stalled
     return out
 
 

@@ -12,9 +12,12 @@ of 100 nodes holds sockets only to the nodes its recent requests touched.
 Data path: attached by Info; a verb's attach (the first call, a reopen after idle, a retry)
 gets only a share of the verb's deadline (``_ATTACH_SHARE`` x ``timeout_s``), so that a data
 port that swallows connections leaves the gRPC fallback most of the time. After a failed attach
-or a broken path gRPC carries the bytes; the next attach comes ``_DATA_RETRY_S`` later, doubling
-per failure up to ``_DATA_RETRY_MAX_S``. Marking the node down closes its data path (and with
-it the node's shared memory in this process); Info re-attaches it when the node is back.
+or a broken path gRPC carries the bytes until a retry (:mod:`~kvtier.tiers.remote.data_slot`).
+Marking the node down closes its data path (and with it the node's shared memory in this
+process); Info re-attaches it when the node is back.
+
+Liveness: ``up`` until a call fails with ``down`` (then probed with backoff); ``stalled`` while
+calls wait unanswered, before the first of them times out (readers skip it meanwhile).
 
 Threads: all methods may be called from any thread; the grpc channel is thread-safe, the
 data-path connections are pooled (one caller per connection at a time) and liveness,
@@ -35,23 +38,23 @@ from typing import TypeVar
 import grpc
 
 from kvtier.config import GrpcTierConfig
-from kvtier.protocol.addresses import is_loopback
-from kvtier.protocol.frames import WireLimits
 from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.protocol.gen import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.base import ERROR, NODE_DOWN, TIMEOUT, Entry, FilledEntry, Miss, Probe, copy_into
-from kvtier.tiers.remote.channel import channel_options, client_ssl_context
+from kvtier.tiers.remote.channel import advertised_data_path, channel_options
 from kvtier.tiers.remote.data_path import SocketDataPath
+from kvtier.tiers.remote.data_slot import DataSlot
 from kvtier.tiers.remote.errors import REFUSALS, NodeError, rpc_error
 from kvtier.tiers.remote.grpc_bytes import get_results, put_messages, visit_all
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bytes, memoryview)
 R = TypeVar("R")
-_DATA_RETRY_S = 5.0  # after a data-path failure on a live node, gRPC carries bytes this long,
-_DATA_RETRY_MAX_S = 120.0  # doubling per failure in a row up to this
 _ATTACH_SHARE = 0.1  # of timeout_s: what a verb's data-path attach may take of its deadline
 _ATTACH_MIN_S = 0.05  # ...but at least this (a TLS or shm handshake on a short timeout_s)
+_FAIR_SHARE = 0.5  # of timeout_s: a call given less that times out does not mark the node down
+_STALL_SHARE = 0.25  # of timeout_s: calls unanswered this long make the node "stalled"
+_STALL_MIN_S = 0.05  # ...but at least this
 
 
 class NodeClient:
@@ -65,9 +68,7 @@ class NodeClient:
         self.stub: pb_grpc.KVTierStub | None = None
         self.info: pb.InfoReply | None = None
         self.max_chunk_bytes = cfg.max_message_bytes - (1 << 20)
-        self.data: SocketDataPath | None = None  # the fast path, once Info advertised one
-        self._data_retry_at = 0.0  # when a failed data path is tried again (0: not due)
-        self._data_failures = 0  # failed attaches or broken paths in a row (the retry backoff)
+        self.data_slot = DataSlot()
         self._token = token
         self.host = address.rsplit(":", 1)[0].strip("[]")
         self._lock = threading.Lock()
@@ -76,6 +77,8 @@ class NodeClient:
         self.backoff = cfg.backoff_s
         self.next_probe = 0.0
         self.inflight = 0  # calls between use() and its end
+        self._quick_inflight = 0  # quick calls (lookups) between use() and their end
+        self._owed_since = 0.0  # since when those calls wait for an answer (stalled)
         self.last_used = time.monotonic()
         self.opened = 0  # times the channel was opened (tests and stats)
         self.retired = False  # removed from the cluster: never opened again
@@ -84,26 +87,48 @@ class NodeClient:
 
     # --- lazy connection ---------------------------------------------------------------------------
     @contextmanager
-    def use(self, deadline: float) -> Iterator[NodeClient]:
+    def use(self, deadline: float, quick: bool = False) -> Iterator[NodeClient]:
         """Hold the node for one call: opens the channel and fetches Info when closed (a
-        NodeError when that fails) and keeps :meth:`close_if_idle` away until the call ends."""
+        NodeError when that fails) and keeps :meth:`close_if_idle` away until the call ends.
+        A call that started with under ``_FAIR_SHARE`` of ``timeout_s`` left (queued behind
+        others in the caller) and timed out is ``down=False``: not the node's fault (else one
+        hung node starving the caller's pool gets healthy ones marked down too). ``quick``: a
+        call a live node answers at once whatever its size (a lookup): see :attr:`stalled`."""
+        start = time.monotonic()
         with self._lock:
             if self.retired:
                 raise NodeError(NODE_DOWN, f"{self.address}: removed from the cluster", down=False)
             if self.closed:
                 raise NodeError(NODE_DOWN, f"{self.address}: the client is closed", down=False)
+            if quick:
+                if self._quick_inflight == 0:
+                    self._owed_since = start
+                self._quick_inflight += 1
             self.inflight += 1
-            self.last_used = time.monotonic()
+            self.last_used = start
+        answered = False
         try:
             if self.info is None:
                 with self._open_lock:
                     if self.info is None:
                         self.fetch_info(deadline, attach_share=True)
             yield self
+            answered = True
+        except NodeError as exc:
+            # A refusal is an answer; a timeout or a lost connection is not.
+            answered = not exc.down and exc.reason not in (TIMEOUT, NODE_DOWN)
+            given = deadline - start
+            if exc.down and exc.reason == TIMEOUT and given < self.cfg.timeout_s * _FAIR_SHARE:
+                raise NodeError(TIMEOUT, f"{exc} (the call started with {max(given, 0.0):.3f}s left: "
+                                "not held against the node)", down=False, code=exc.code) from None
+            raise
         finally:
             with self._lock:
                 self.inflight -= 1
+                self._quick_inflight -= quick
                 self.last_used = time.monotonic()
+                if answered:
+                    self._owed_since = self.last_used
 
     def _ensure_channel(self) -> pb_grpc.KVTierStub:
         with self._lock:
@@ -134,8 +159,8 @@ class NodeClient:
         with self._lock:
             if self.channel is None or self.inflight or time.monotonic() - self.last_used < idle_s:
                 return False
-            channel, data = self.channel, self.data
-            self.channel = self.stub = self.info = self.data = None
+            channel, data = self.channel, self.data_slot.take()
+            self.channel = self.stub = self.info = None
         if data is not None:
             data.close()
         channel.close()
@@ -149,7 +174,7 @@ class NodeClient:
         that calls still hold when they are handed back; Info re-attaches it when the node
         is back (the upkeep probe)."""
         with self._lock:
-            data, self.data = self.data, None
+            data = self.data_slot.take()
             was_up = self.up
             if was_up:
                 self.backoff = self.cfg.backoff_s
@@ -164,6 +189,19 @@ class NodeClient:
         if was_up:
             log.warning("grpc tier: node %s down (%s); probing again in %.2fs", self.address, reason, self.backoff)
         return was_up
+
+    @property
+    def stalled(self) -> bool:
+        """Quick calls (lookups) in flight and no call answered for ``_STALL_SHARE`` x
+        ``timeout_s``: a hung node before its first call times out and marks it down. Lookups
+        and reads send it no more calls meanwhile (a replica or a ``timeout`` miss, not a
+        thread held till the deadline). Bulk calls alone never make it stalled: a big PUT on
+        a slow link may take that long."""
+        with self._lock:
+            if self._quick_inflight == 0:
+                return False
+            owed = time.monotonic() - self._owed_since
+        return owed > max(self.cfg.timeout_s * _STALL_SHARE, _STALL_MIN_S)
 
     def mark_up(self) -> None:
         with self._lock:
@@ -205,51 +243,27 @@ class NodeClient:
         (closing the current one: calls holding its connections finish first); on failure (or
         none advertised) chunk bytes use gRPC and a retry comes after the backoff (see the
         module docstring). Never raises NodeError."""
-        with self._lock:
-            old, self.data = self.data, None
+        old = self.data_slot.take()
         if old is not None:
             old.close()
-        info = self.info
-        kinds = {e.kind: e for e in info.data_endpoints} if info else {}
-        endpoint = kinds.get("socket")
-        if self.cfg.data_path == "grpc" or endpoint is None or info is None:
+        data = advertised_data_path(self.info, self.cfg, self.host, self._token, self.max_chunk_bytes)
+        if data is None:
             return
-        host = endpoint.address or self.host
-        # Shared memory only towards this host: "auto" takes it for a loopback address, "shm"
-        # asks for it whatever the address (a node reached by another name on this host).
-        shm = "shm" in kinds and (self.cfg.data_path == "shm" or
-                                  (self.cfg.data_path == "auto" and is_loopback(host)))
-        tls = client_ssl_context(self.cfg) if endpoint.tls else None
-        data = SocketDataPath(host, endpoint.port, self._token, tls, self.cfg.tls_server_name or host,
-                              WireLimits(self.max_chunk_bytes, info.max_batch_keys or 4096),
-                              self.cfg.connections, shm=shm)
         try:
             data.handshake(deadline)  # connect + handshake now: fail early
         except NodeError as exc:
             data.close()
-            wait = self._data_retry_later()
+            wait = self.data_slot.retry_later()
             log.warning("grpc tier: %s: data path unusable (%s); chunk bytes go over gRPC, retry in %.0fs",
                         self.address, exc, wait)
             return
-        with self._lock:
-            closed = self.closed  # close() ran meanwhile: it must not be left open
-            if not closed:
-                old, self.data = self.data, data  # a concurrent attach's path, if any, is replaced
-                self._data_failures = 0
-        if closed:
-            data.close()
-            return
-        if old is not None:
-            old.close()
-        log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
+        if self.data_slot.install(data):  # refused (and closed) when close() ran meanwhile
+            log.debug("grpc tier: %s: chunk bytes over %s", self.address, data.kind)
 
-    def _data_retry_later(self) -> float:
-        """Schedule the next attach after one more failure; returns the wait in seconds."""
-        with self._lock:
-            self._data_failures += 1
-            wait = min(_DATA_RETRY_S * 2 ** (self._data_failures - 1), _DATA_RETRY_MAX_S)
-            self._data_retry_at = time.monotonic() + wait
-        return wait
+    @property
+    def data(self) -> SocketDataPath | None:
+        """The data path chunk bytes take now; None: gRPC."""
+        return self.data_slot.current
 
     def lookup(self, keys: Sequence[bytes], deadline: float) -> Probe:
         """Leading ``keys`` present: over the data path when the node serves LOOKUP there and a
@@ -307,16 +321,9 @@ class NodeClient:
     def _data_path(self, deadline: float) -> SocketDataPath | None:
         """The current data path; when none and a retry is due, this caller (one only: the
         claim is made under the lock) attaches it within its share of ``deadline``."""
-        with self._lock:
-            data = self.data
-            due = (data is None and self.info is not None and not self.closed and self._data_retry_at > 0
-                   and time.monotonic() >= self._data_retry_at)
-            if due:
-                self._data_retry_at = 0.0  # claimed: concurrent callers use gRPC meanwhile
-        if due:
+        if self.data is None and self.info is not None and self.data_slot.claim_retry():
             self.attach_data_path(self._attach_deadline(deadline))
-            data = self.data
-        return data
+        return self.data
 
     def get(self, keys: Sequence[bytes], deadline: float) -> list[bytes | Miss]:
         return self._fast_or_grpc(deadline, lambda data: data.get(keys, deadline),
@@ -360,21 +367,16 @@ class NodeClient:
         """``data`` broke but the node may be fine: gRPC carries the bytes until the retry.
         Only the current path is dropped: one that mark_down or a newer attach already
         replaced stays as it is (closed, or the new one in use)."""
-        with self._lock:
-            current = self.data is data
-            if current:
-                self.data = None
-        data.close()
-        if current:
-            wait = self._data_retry_later()
+        if self.data_slot.failed(data):
+            wait = self.data_slot.retry_later()
             log.warning("grpc tier: data path to %s failed (%s); using gRPC for %.0fs", self.address, exc, wait)
 
     def close(self) -> None:
         """Final: later calls raise NodeError, and none reopens a channel."""
         with self._lock:
             self.closed = True
-            channel, data = self.channel, self.data
-            self.channel = self.stub = self.info = self.data = None
+            channel, data = self.channel, self.data_slot.shut()
+            self.channel = self.stub = self.info = None
         if data is not None:
             data.close()
         if channel is not None:

@@ -6,6 +6,8 @@ miss reason of its best-ranked replica that answered, else ``timeout`` / the fai
 replica that was asked, else ``node_down`` (no live replica). A key is counted as soon as any
 replica confirms it; a slow or hung replica is not waited for once others settled the answer
 (its call ends by the deadline by itself, and a NodeError it raises then still marks its node).
+A replica that has stalled (calls unanswered for a while: :attr:`NodeClient.stalled`) is not
+asked, nor waited for once it stalls: the probe moves on as if it had timed out.
 
 How. The positions are asked in ``waves`` (ranges of positions; the tier passes groups in
 waves of 4, 8, 16, ...); a wave's first round asks every live replica of its keys at once
@@ -37,6 +39,7 @@ from kvtier.tiers.remote.node import NodeClient
 # Calls end by the deadline by themselves; the wait for them gets this much more before the
 # probe gives up on them (a busy host's scheduling), so a late answer is not lost to a race.
 _WAIT_SLACK_S = 0.25
+_STALL_CHECK_S = 0.05  # how often a wait for a replica looks whether it has stalled
 Failed = Callable[[NodeClient, NodeError], None]
 
 
@@ -90,7 +93,8 @@ class _ProbeRun:
                 if n in self.absent[target] or n in self.broken:
                     continue
                 if target in self.asking[n]:
-                    waiting = waiting or self._up(n)  # not for a node marked down meanwhile
+                    # Not for a node marked down meanwhile, nor one that stopped answering.
+                    waiting = waiting or self._usable(n)
                 elif self._usable(n):
                     again[n] = self._unknown(n, target, hi)
             if again:
@@ -101,9 +105,13 @@ class _ProbeRun:
             if not waiting:
                 return Probe(target, self._reason(target))
             left = self.deadline - time.monotonic()
-            done, _ = wait(list(self.pending), timeout=max(0.0, left) + _WAIT_SLACK_S, return_when=FIRST_COMPLETED)
+            # Woken now and then to see whether the node waited for has stalled meanwhile.
+            done, _ = wait(list(self.pending), timeout=min(max(0.0, left) + _WAIT_SLACK_S, _STALL_CHECK_S),
+                           return_when=FIRST_COMPLETED)
             if not done:
-                return Probe(target, TIMEOUT)
+                if time.monotonic() >= self.deadline + _WAIT_SLACK_S:
+                    return Probe(target, TIMEOUT)
+                continue
             for fut in done:
                 self._settle(fut, *self.pending.pop(fut))
 
@@ -112,7 +120,14 @@ class _ProbeRun:
         return client is not None and client.up
 
     def _usable(self, n: str) -> bool:
-        return n not in self.broken and self._up(n)
+        """Live, and answering: a stalled node (:attr:`NodeClient.stalled`) is given up on for
+        this probe, as a ``timeout`` (it is not marked down: its calls' deadlines decide)."""
+        if n in self.broken or not self._up(n):
+            return False
+        if self.view.clients[n].stalled:
+            self.broken[n] = TIMEOUT
+            return False
+        return True
 
     def _unknown(self, n: str, start: int, hi: int) -> list[int]:
         """Positions in [start, hi) of node ``n`` that no replica confirmed and ``n`` has not
@@ -137,7 +152,7 @@ class _ProbeRun:
 
     def _call(self, n: str, positions: list[int]) -> Probe:
         client = self.view.clients[n]
-        with client.use(self.deadline):
+        with client.use(self.deadline, quick=True):
             return client.lookup([self.keys[p] for p in positions], self.deadline)
 
     def _settle(self, fut: Future[Probe], n: str, positions: list[int]) -> None:

@@ -45,6 +45,7 @@ from kvtier.chunk import header_names
 from kvtier.config import GrpcTierConfig
 from kvtier.errors import TierUnavailableError
 from kvtier.tiers.base import (
+    TIMEOUT,
     Entry,
     FilledEntry,
     Miss,
@@ -189,7 +190,9 @@ class GrpcTier(TierBase):
         if exc.down:
             client.mark_down(str(exc))
             self.cluster.wake()
-        elif self._closed:  # calls that were in flight when the tier closed: expected
+        elif self._closed or exc.reason == TIMEOUT:
+            # Calls in flight when the tier closed; a caller late (its queue, not the node):
+            # a line per call would flood the log when a hung node starves the pool.
             log.debug("grpc tier: %s", exc)
         else:
             log.warning("grpc tier: %s", exc)
