@@ -4,7 +4,13 @@ torch's ``pin_memory=True`` goes through a power-of-two caching allocator: a 48 
 64 GiB. ``HostRegion`` maps exactly the bytes asked for (anonymous, page-aligned) and registers
 them with ``cudaHostRegister`` in pieces (as vLLM's offloading region does), so the GPU copies
 to and from them asynchronously at full link speed. Pieces are a multiple of ``align`` bytes
-(the caller's slot size), so no slot straddles two registrations.
+(the caller's slot size) and of the page size, so no slot straddles two registrations (a copy
+over two registrations is not a pinned copy) and no page is registered twice.
+
+A failed ``cudaHostRegister``/``cudaHostUnregister`` also leaves its error pending in the
+calling thread's CUDA runtime state, where the next kernel launch check of that thread (the
+engine's forward, when the connector registers on its thread) would report it as its own
+failure; it is cleared here (``cudaGetLastError`` of the runtime torch loaded), as vLLM does.
 
 torch stays optional: registration is attempted only when torch is importable and a CUDA
 device is present; otherwise (or when registration fails, e.g. locked-memory limits) the region
@@ -14,8 +20,10 @@ themselves are the caller's to share.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
+import math
 import mmap
 import os
 import sys
@@ -29,9 +37,39 @@ HUGE_PAGE = 2 << 20
 
 def _address(buf: mmap.mmap | memoryview) -> int:
     """Where a writable buffer's first byte lies in memory."""
-    import ctypes
-
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def registration_pieces(nbytes: int, align: int = 1) -> list[tuple[int, int]]:
+    """(offset, size) of the ``cudaHostRegister`` calls covering ``nbytes``: about
+    ``PIECE_BYTES`` each, every boundary a multiple of ``align`` and of the page size (so a
+    slot of ``align`` bytes never spans two pieces and no page is registered twice)."""
+    unit = math.lcm(max(align, 1), mmap.PAGESIZE)
+    piece = max(1, PIECE_BYTES // unit) * unit
+    return [(off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
+
+
+def _clear_cuda_error() -> None:
+    """Reset the calling thread's pending CUDA runtime error (see the module docstring).
+    torch's ``cudart()`` bindings have no ``cudaGetLastError``: call it in the libcudart the
+    process already loaded (the same runtime instance torch uses; another copy of the library
+    would hold another error state)."""
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                name = line[line.find("/"):].strip() if "/" in line else ""
+                if name.rsplit("/", 1)[-1].startswith(("libcudart.", "libcudart-")):
+                    path = name
+                    break
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+            return
+    except (OSError, AttributeError) as exc:
+        log.warning("host region: cannot clear the CUDA error of a failed registration: %s", exc)
+        return
+    log.warning("host region: no libcudart loaded; the CUDA error of a failed registration "
+                "stays pending")
 
 
 def _advise_huge(region: mmap.mmap) -> bool:
@@ -115,10 +153,11 @@ class HostRegion:
         offset = -_address(self.map) % HUGE_PAGE if self.huge else 0
         self.huge = self.huge and _advise_huge(self.map)
         self.view = memoryview(self.map)[offset : offset + nbytes]
+        self.pieces = registration_pieces(nbytes, align)  # what registration covers, piece by piece
         if pin != "never" and nbytes > 0:
-            self._register(pin, max(1, PIECE_BYTES // max(align, 1)) * max(align, 1))
+            self._register(pin)
 
-    def _register(self, pin: str, piece: int) -> None:
+    def _register(self, pin: str) -> None:
         level = logging.WARNING if pin == "always" else logging.DEBUG
         cudart = _cudart(import_torch=pin == "always")
         if cudart is None:
@@ -126,10 +165,10 @@ class HostRegion:
             return
         base = _address(self.view)
         self._cudart = cudart
-        for off in range(0, self.nbytes, piece):
-            size = min(piece, self.nbytes - off)
+        for off, size in self.pieces:
             rc = int(cudart.cudaHostRegister(base + off, size, 0))
             if rc != 0:
+                _clear_cuda_error()
                 log.warning("host region: cudaHostRegister of %d bytes failed (error %d); the "
                             "region stays pageable", size, rc)
                 self._unregister()
@@ -139,7 +178,8 @@ class HostRegion:
 
     def _unregister(self) -> None:
         for ptr in self._registered:
-            self._cudart.cudaHostUnregister(ptr)
+            if int(self._cudart.cudaHostUnregister(ptr)) != 0:
+                _clear_cuda_error()
         self._registered = []
         self.pinned = False
 

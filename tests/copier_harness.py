@@ -76,6 +76,15 @@ class Engine:
         else:
             self.dev.launch(stream, lambda: torch.cuda._sleep(int(GPU_BACKLOG_CYCLES * x)))
 
+    def hold(self, stream: object) -> Callable[[], None]:
+        """Keep ``stream`` busy until the returned callable is called (a GPU: ~0.5 s at most)."""
+        if self.sim is not None:
+            gate = threading.Event()
+            self.dev.launch(stream, lambda: gate.wait(10))
+            return gate.set
+        self.dev.launch(stream, lambda: torch.cuda._sleep(1_000_000_000))
+        return lambda: None
+
     def fill_blocks(self, blocks: list[int], value: float | None, layers: range = range(L),
                     backlog: float = 1.0) -> list[torch.Tensor]:
         """Compute-stream write of ``blocks``: ``value``, or random data (a forward writing KV).
@@ -258,3 +267,29 @@ def capture_between_writes(eng: Engine, jobs: list[list[int]]) -> None:
                 want = truth[j][layer][:, c * per * N:(c + 1) * per * N]
                 assert torch.equal(chunk[layer], want), f"job {j} chunk {c} layer {layer} differs"
     assert len(seen) == len(jobs)
+
+
+def capture_scratch_outlives_its_copies(eng: Engine) -> bool:
+    """Capture layers 0 and 1 while the D2H stream is held, waiting (on the host) for each
+    gather to run, so layer 0's gather scratch is let go of before layer 1 asks the allocator
+    for the same size on the gather stream (``keep``/``record_stream`` must stop it handing the
+    block out while the D2H copies still read it). True when the staging holds exactly what
+    each layer held (the caller asserts; the control inverts it)."""
+    copier, per = eng.copier, C // N
+    ids = blocks(eng, 4)
+    staging = [eng.dev.pinned((L, 2, C, H, D), DT) for _ in range(2)]
+    cap = copier.begin_capture(ids, per)
+    release = eng.hold(copier.d2h_stream)
+    truth: list[torch.Tensor] = []
+    try:
+        for layer in range(2):
+            truth += eng.fill_blocks(ids, None, range(layer, layer + 1))
+            copier.capture_layer(eng.views[layer], layer, [(cap, [t[layer] for t in staging])])
+            gathered = eng.dev.new_event()
+            eng.dev.record(gathered, copier.gather_stream)
+            gathered.synchronize()
+    finally:
+        release()
+    copier.end_capture().wait()
+    return all(torch.equal(t[layer], truth[layer][:, c * per * N:(c + 1) * per * N])
+               for layer in range(2) for c, t in enumerate(staging))

@@ -17,10 +17,17 @@ import time
 import pytest
 import torch
 from copier_harness import (
+    DT,
+    C,
+    D,
     Engine,
+    H,
+    L,
+    N,
     async_restore_over_pending_writes,
     blocks,
     capture_between_writes,
+    capture_scratch_outlives_its_copies,
     restore_over_pending_writes,
     restore_without_layer_waits,
 )
@@ -150,3 +157,41 @@ def test_pageable_copies_block_and_pinned_copies_do_not() -> None:
             dev.copy(torch.empty(2), torch.empty(2), s)
     finally:
         dev.close()
+
+
+def test_a_capture_that_fails_half_way_still_fences_the_copies_it_queued(sim_engine) -> None:  # type: ignore[no-untyped-def]
+    """A capture_layer call that raises after queueing a job's D2H copies (a later job's
+    staging has the wrong shape) must still leave end_capture a fence over those copies: the
+    saver gives the slots back once it completes, and a slot given back while a copy still
+    writes it would hand another job's chunk those stale bytes."""
+    eng = sim_engine(5)
+    copier = eng.copier
+    ids = blocks(eng, 4)
+    per = C // N
+    good = [eng.dev.pinned((L, 2, C, H, D), DT) for _ in range(2)]
+    bad = [eng.dev.pinned((L, 2, C // 2, H, D), DT)]
+    truth = eng.fill_blocks(ids, None, range(0, 1))[0]
+    jobs = [copier.begin_capture(ids, per), copier.begin_capture(ids[:per], per)]
+    gate = threading.Event()
+    eng.dev.launch(copier.d2h_stream, lambda: gate.wait(10))  # the D2H stream is still busy
+    with pytest.raises(RuntimeError):
+        copier.capture_layer(eng.views[0], 0, [(jobs[0], [t[0] for t in good]), (jobs[1], [t[0] for t in bad])])
+    fence = copier.end_capture()
+    try:
+        assert not fence.query(), "end_capture fenced nothing though copies were queued"
+    finally:
+        gate.set()
+    fence.wait()
+    for c, t in enumerate(good):
+        assert torch.equal(t[0], truth[:, c * per * N:(c + 1) * per * N])
+
+
+def test_gather_scratch_is_not_handed_out_again_while_d2h_copies_read_it(sim_engine) -> None:  # type: ignore[no-untyped-def]
+    """``keep(tmp, d2h)`` (``record_stream`` on CUDA): the caching allocator must not give the
+    gather scratch to the next gather while the D2H copies still read it. Control: with
+    ``keep`` a no-op the simulated allocator reuses it and layer 0's chunk holds layer 1."""
+    assert capture_scratch_outlives_its_copies(sim_engine(2))
+    eng = sim_engine(3)
+    assert eng.sim is not None
+    eng.sim.keep = lambda t, s: None  # type: ignore[method-assign]
+    assert not capture_scratch_outlives_its_copies(eng)

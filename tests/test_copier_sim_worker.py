@@ -235,3 +235,40 @@ def test_layerwise_connector_asks_for_piecewise_cuda_graphs() -> None:
     assert KVTierConnector.requires_piecewise_for_cudagraph({})
     assert KVTierConnector.requires_piecewise_for_cudagraph({"vllm": {"load": False}})
     assert not KVTierConnector.requires_piecewise_for_cudagraph({"vllm": {"load": False, "save": False}})
+
+
+def test_staging_slots_never_straddle_two_host_registrations() -> None:
+    """The CUDA staging buffers are registered with cudaHostRegister piece by piece; a slot
+    over two pieces is not pinned memory to a copy (the driver stages it, and a D2H capture
+    then blocks the forward thread). The check reads the registration plan the region keeps,
+    so it runs without CUDA: a 2 GiB save pool (the default size) with header-framed slots."""
+    from kvtier_vllm.device import CudaDevice
+
+    from kvtier.chunk import HEADER_SIZE
+
+    dev = CudaDevice(torch.device("cuda"))
+    shape = (32, 2, 256, 8, 128)  # a Llama-3-8B chunk of 256 tokens: 32 MiB, slots of 32 MiB + 4 KiB
+    pool = StagingPool(2 << 30, shape, torch.float16, dev.host_buffer, head=HEADER_SIZE)
+    region = dev._regions[-1]
+    assert pool.slots > 32 and pool.slot_bytes % (1 << 20)
+    base = int(__import__("numpy").frombuffer(region.view, dtype="uint8").ctypes.data)
+    for s in range(pool.slots):
+        lo = pool.raw(s).data_ptr() - base
+        hi = lo + pool.slot_bytes
+        assert any(off <= lo and hi <= off + size for off, size in region.pieces), f"slot {s} straddles"
+    region.close()
+
+
+@pytest.mark.parametrize("align", [1, 4096, 5000, 3 << 20, (1 << 30) + 4096])
+def test_host_registration_pieces_are_page_aligned_and_hold_whole_slots(align: int) -> None:
+    """A piece boundary inside a page registers that page twice (cudaHostRegister refuses the
+    second piece and the whole region stays pageable); one inside a slot splits the slot."""
+    import mmap
+
+    from kvtier.pinned import registration_pieces
+
+    nbytes = 5 * (1 << 30) + 12345
+    pieces = registration_pieces(nbytes, align)
+    assert pieces[0][0] == 0 and sum(size for _, size in pieces) == nbytes
+    for (off, size), (nxt, _) in zip(pieces, pieces[1:]):
+        assert off + size == nxt and nxt % mmap.PAGESIZE == 0 and nxt % align == 0

@@ -19,6 +19,8 @@ Orderings (each one is a test in tests/test_copier_sim.py; removing it fails tha
     C1 ``capture_layer``: the gather waits for the compute stream's writes of that layer.
     C2 ``end_capture``: later compute-stream writes wait for the *gathers* only; the D2H tail
        runs on under the next step, and the saver thread waits for it (a blocking event).
+    C4 ``end_capture`` fences every copy ``capture_layer`` queued, also when that call raised
+       half-way (the failed step's slots go back to their pool only after that fence).
 No host synchronisation on the forward thread: block ids reach the device as one pinned int64
 index per job and step, copied asynchronously; every copy involves pinned host memory or
 device memory only, except restores from a pageable payload (then the *loader* thread blocks).
@@ -166,6 +168,9 @@ class DeviceCopier:
                 for p, src in enumerate(views):
                     torch.index_select(src, 0, index, out=tmp[p])
 
+        # From the first enqueued work on: end_capture must fence this step's copies even if
+        # this call raises half-way (copies already queued still write the jobs' slots).
+        self._captured = True
         dev.launch(self.gather_stream, gather)
         done = dev.new_event()
         dev.record(done, self.gather_stream)
@@ -176,7 +181,6 @@ class DeviceCopier:
             for j, out in enumerate(outs):
                 for p in range(planes):
                     dev.copy(out[p], tmp[p, j * per:(j + 1) * per].view(out[p].shape), self.d2h_stream)
-        self._captured = True
 
     def end_capture(self) -> Fence:
         if not self._captured:

@@ -26,6 +26,7 @@ Threads: any thread may call any method; one stream may be fed by one thread at 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -72,11 +73,26 @@ class Device(Protocol):
 
 
 class CudaDevice:
-    """``Device`` over torch.cuda for one CUDA device."""
+    """``Device`` over torch.cuda for one CUDA device.
+
+    Every method works with ``device`` current and gives the calling thread its own current
+    device back, whatever that was: CUDA's current device is per thread, and kvtier's threads
+    (loader, async loads) start on cuda:0 whatever device vLLM set on its own thread.
+    ``torch.cuda.stream(s)`` alone, on a thread whose current device is not ``s``'s, sets
+    the device back with ``cudaSetDevice`` on exit, which (CUDA 12) creates a context on it:
+    every TP rank's process would put one on cuda:0. ``torch.cuda.device`` gives the device
+    back without creating one."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._regions: list[HostRegion] = []
+
+    def _on(self, stream: Any) -> ExitStack:
+        """Make ``device`` current, then ``stream`` its current stream (undone on exit)."""
+        ctx = ExitStack()
+        ctx.enter_context(torch.cuda.device(self.device))
+        ctx.enter_context(torch.cuda.stream(stream))
+        return ctx
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)
@@ -96,16 +112,16 @@ class CudaDevice:
         stream.wait_event(event)
 
     def launch(self, stream: Any, fn: Callable[[], None]) -> None:
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             fn()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             dst.copy_(src, non_blocking=True)
 
     def scratch(self, shape: Sequence[int], dtype: torch.dtype, stream: Any) -> torch.Tensor:
         # Allocated while ``stream`` is current: the caching allocator ties the block to it.
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     def keep(self, t: torch.Tensor, stream: Any) -> None:
@@ -116,7 +132,13 @@ class CudaDevice:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         # Not torch's pinned allocator: it rounds up to a power of two.
-        region = HostRegion(nbytes, "always")
+        # One registration for the whole buffer (align=nbytes): the caller cuts it into slots
+        # of a size this method never sees, and a slot across two registrations is not pinned
+        # memory to a copy. Staging buffers are a few GiB, far below the driver's limits.
+        # Registered with this device current: cudaHostRegister acts in the current device's
+        # context (and would create one on cuda:0 for a process whose KV lives elsewhere).
+        with torch.cuda.device(self.device) if torch.cuda.is_available() else nullcontext():
+            region = HostRegion(nbytes, "always", align=max(nbytes, 1))
         self._regions.append(region)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)

@@ -17,6 +17,12 @@ Model
 - ``current_stream`` is per thread: a thread that called ``set_current(s)`` gets ``s``; any other
   thread gets its own idle stream, so recording on it orders nothing (as recording on the
   wrong thread's stream orders nothing on a GPU).
+- ``scratch`` is a caching allocator as torch's is: memory the host has let go of (the last
+  tensor or view of it dropped; queued copies do not hold it, as queued kernels do not on a
+  GPU) is handed to the next ``scratch`` of the same size on the *stream it was allocated for*
+  at once, whatever other streams still do with it; after ``keep(t, s)`` only once ``s`` has
+  reached the point where it was let go (an event recorded then, as ``record_stream`` does).
+  So a missing ``keep`` gives wrong bytes here too.
 Failure: an exception inside a stream operation is kept and re-raised by ``synchronize``,
 ``Event.synchronize`` and ``close``; a wait that outlives ``timeout_s`` raises TimeoutError.
 """
@@ -30,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -56,6 +63,7 @@ class SimStream:
                 op()
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the host side
                 self.dev._fail(exc, self.name)
+            op = None  # a kernel that ran holds nothing: its tensors may be freed now
 
     def close(self) -> None:
         self._queue.put(None)
@@ -92,6 +100,12 @@ class SimDevice:
         self._memory: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self._error: BaseException | None = None
         self.pageable_copies = 0
+        # The allocator: live scratch by storage address -> (its memory, streams kept on);
+        # what the host let go of (queued by a finalizer, which may run inside any lock);
+        # reusable memory per allocating stream, each with the events it must wait for.
+        self._scratch: dict[int, tuple[np.ndarray, set[SimStream]]] = {}
+        self._freed: queue.SimpleQueue[tuple[SimStream, int]] = queue.SimpleQueue()
+        self._pool: dict[SimStream, list[tuple[np.ndarray, list[SimEvent]]]] = {}
         self.compute = self.new_stream("compute")
 
     # --- streams and events -------------------------------------------------------------------
@@ -163,15 +177,61 @@ class SimDevice:
         return self._register(torch.zeros(tuple(shape), dtype=dtype), "device")
 
     def scratch(self, shape: Sequence[int], dtype: torch.dtype, stream: SimStream) -> torch.Tensor:
-        # Poisoned, not zeroed: reading it before it is written must not look like valid zeros.
         numel = 1
         for n in shape:
             numel *= int(n)
-        raw = torch.full((numel * dtype.itemsize,), 0xA5, dtype=torch.uint8)
-        return self._register(raw.view(dtype).view(tuple(shape)), "device")
+        nbytes = numel * dtype.itemsize
+        size = nbytes or 8  # an empty tensor still gets a block (of any dtype's multiple)
+        mem = self._reuse(stream, size)
+        if mem is None:
+            # Poisoned, not zeroed: reading it before it is written must not look like zeros.
+            mem = np.full(size, 0xA5, dtype=np.uint8)
+        t = torch.frombuffer(mem, dtype=dtype)[:numel].view(tuple(shape))
+        storage = t.untyped_storage()
+        with self._lock:
+            self._scratch[storage.data_ptr()] = (mem, set())
+        weakref.finalize(storage, self._freed.put, (stream, storage.data_ptr()))
+        return self._register(t, "device")
 
     def keep(self, t: torch.Tensor, stream: SimStream) -> None:
-        return None  # the enqueued closures hold their tensors
+        with self._lock:
+            entry = self._scratch.get(t.untyped_storage().data_ptr())
+            if entry is not None:
+                entry[1].add(stream)
+
+    def _reuse(self, stream: SimStream, nbytes: int) -> np.ndarray | None:
+        """Memory of ``nbytes`` let go of on ``stream`` that no kept stream still needs."""
+        while True:  # what the host let go of since the last call joins the pool
+            try:
+                owner, ptr = self._freed.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                mem, kept = self._scratch.pop(ptr)
+            # Recorded when the pool learns of the free, not at it: later, so never unsafe.
+            events = []
+            for s in kept:
+                e = SimEvent(self)
+                self.record(e, s)
+                events.append(e)
+            with self._lock:
+                self._pool.setdefault(owner, []).append((mem, events))
+        with self._lock:
+            blocks = self._pool.get(stream, [])
+            for i, (mem, events) in enumerate(blocks):
+                if mem.nbytes == nbytes and all(e.query() for e in events):
+                    return blocks.pop(i)[0]
+        return None
+
+    def _alias(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` over its scratch memory through a storage of its own: a queued copy holding
+        the alias does not keep the scratch allocated (a queued kernel does not on a GPU)."""
+        with self._lock:
+            entry = self._scratch.get(t.untyped_storage().data_ptr())
+        if entry is None or t.numel() == 0:
+            return t
+        base = torch.frombuffer(entry[0], dtype=t.dtype)
+        return base.as_strided(t.size(), t.stride(), t.storage_offset())
 
     def pinned(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self._register(torch.empty(tuple(shape), dtype=dtype), "pinned")
@@ -187,8 +247,10 @@ class SimDevice:
         if "device" not in kinds:
             raise ValueError(f"copy between two host tensors ({kinds}) is not a device copy")
 
+        dst_a, src_a = self._alias(dst), self._alias(src)
+
         def op() -> None:
-            dst.copy_(src)
+            dst_a.copy_(src_a)
 
         if "pageable" not in kinds:
             stream.enqueue(op)
