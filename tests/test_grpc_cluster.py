@@ -169,7 +169,7 @@ def test_hedged_read_skips_a_hung_primary(tmp_path: Path) -> None:
         keys = make_keys(20, seed=80)
         chunks = [make_chunk(k, 3000, i) for i, k in enumerate(keys)]
         assert tier.put([Entry(k, c) for k, c in zip(keys, chunks)]) == [True] * 20
-        os.kill(nodes[0].proc.pid, signal.SIGSTOP)
+        nodes[0].hang()
         try:
             start = time.monotonic()
             got = tier.get(keys)
@@ -210,7 +210,7 @@ def test_get_into_returns_its_buffers_only_once_every_node_call_has_ended(tmp_pa
         big_a, chunk_b = make_chunk(on_a, 8192, 1), make_chunk(on_b, 4096, 2)
         assert tier.put([Entry(on_a, big_a), Entry(on_b, chunk_b)]) == [True, True]
         outs = [memoryview(bytearray(len(chunk_b))) for _ in range(2)]
-        os.kill(b.proc.pid, signal.SIGSTOP)
+        b.hang()
         threading.Timer(0.5, os.kill, (b.proc.pid, signal.SIGCONT)).start()
         with pytest.raises(ValueError, match="too small"):
             tier.get_into([on_a, on_b], outs)
@@ -249,7 +249,7 @@ def test_close_with_calls_in_flight_wakes_every_caller(tmp_path: Path) -> None:
             except BaseException as exc:  # noqa: BLE001 - what must not happen, recorded
                 outcomes.append(type(exc).__name__)
 
-        os.kill(b.proc.pid, signal.SIGSTOP)
+        b.hang()
         threads = [threading.Thread(target=caller, args=(n,), daemon=True) for n in range(300)]
         for t in threads:
             t.start()
