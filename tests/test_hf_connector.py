@@ -311,3 +311,23 @@ def test_second_process_reuses_prefix_from_shared_disk(model: torch.nn.Module, t
     second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert second["restored"] == 89 and second["tiers"] == {"disk": 6}
     assert second["tokens"] == list(first.tokens) == _hf_generate(model, ids)
+
+
+def test_restored_kv_lands_on_each_layer_own_device(model: torch.nn.Module, store: TieredStore) -> None:
+    """A model split over devices (``device_map``) attends layer i where its weights are, and
+    the cache's next update concatenates onto the restored K/V there: each layer's K/V go to
+    its attention's device (they all went to the first parameter's, and transformers then
+    failed on mixed devices). Here one layer's attention sits on ``meta``: the only second
+    device a CPU machine has."""
+    ids = _prompt(70)
+    cache, _ = _full_forward(model, ids)
+    assert _hf(model, store).save(ids, cache) == 5
+    split = build_random_llama(TEST_SPEC)
+    split.model.layers[1].self_attn.to("meta")
+    hf = KVTierHF(split, PrefixCache(store, namespace_for(model, CHUNK)))
+    got = hf.restore_prefix(ids)
+    assert got.tokens == 69
+    devices = [k.device.type for k, _ in (layer_kv(got.cache, i) for i in range(TEST_SPEC.num_layers))]
+    assert devices == ["cpu", "meta"] + ["cpu"] * (TEST_SPEC.num_layers - 2), devices
+    k0, _ = layer_kv(got.cache, 0)
+    assert torch.equal(k0, layer_kv(cache, 0)[0][:, :, :69])  # the other layers' bytes as saved

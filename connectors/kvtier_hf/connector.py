@@ -46,7 +46,7 @@ from kvtier_hf.compat import (
     text_config,
 )
 from kvtier_hf.identity import derived_revision, overrides_suffix
-from kvtier_hf.kv import kv_payload
+from kvtier_hf.kv import kv_devices, kv_payload
 from kvtier_hf.kvpool import KVPool
 from kvtier_hf.restore import restore, staging_for
 
@@ -225,7 +225,10 @@ class KVTierHF:
             return RestoredPrefix(new_cache(self.model.config), 0, {}, hit.reason,
                                   time.perf_counter() - t0)
         use = min(hit.tokens, len(ids) - 1)
-        got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config, self.device,
+        got = restore(self.prefix_cache, ids, hit.tokens, use, self.dtype, self.model.config,
+                      # Per layer, looked up now (the model may have moved): a model split over
+                      # devices (device_map) attends layer i where its weights are.
+                      kv_devices(self.model, self.spec.layout.num_layers),
                       self._staging, self._kv_pool)
         reason = got.reason if got.tokens < use else hit.reason
         log.debug("restored %d/%d prompt tokens (%s)", got.tokens, len(ids), got.per_tier)

@@ -62,6 +62,30 @@ def _as_tensor(payload: Buf, dtype: torch.dtype, shape: Shape) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=dtype).view(shape)
 
 
+Devices = torch.device | str | Sequence[torch.device | str]
+
+
+def layer_device(devices: Devices, layer: int) -> torch.device | str:
+    """Where layer ``layer``'s K/V go: one device for all, or one per layer."""
+    return devices if isinstance(devices, (torch.device, str)) else devices[layer]
+
+
+def kv_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
+    """The device of each layer's attention (its K/V must live there): a model split over
+    GPUs with ``device_map`` runs layer i where its weights are, and the cache's next update
+    concatenates onto restored K/V on that device. transformers' attention modules carry
+    ``layer_idx``; a layer none names gets the first parameter's device."""
+    first = next(model.parameters()).device
+    out = [first] * num_layers
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and 0 <= idx < num_layers:
+            param = next(module.parameters(recurse=True), None)
+            if param is not None:
+                out[idx] = param.device
+    return out
+
+
 def fresh_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose pages fault in as transparent huge pages where the
     kernel offers them: numpy's allocator advises ``MADV_HUGEPAGE`` for arrays of 4 MiB and
@@ -74,7 +98,7 @@ def fresh_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def cache_from_chunks(payloads: Sequence[Buf], shapes: Sequence[Shape], tokens: int,
                       layout: KVLayout, dtype: torch.dtype, config: Any = None,
-                      device: torch.device | str = "cpu") -> Any:
+                      device: Devices = "cpu") -> Any:
     """A new DynamicCache holding the first ``tokens`` tokens of the given chunks (in order;
     the last chunk used may be cut short). ``tokens`` must not exceed what the chunks cover."""
     cover = sum(s[2] for s in shapes)
@@ -94,5 +118,6 @@ def cache_from_chunks(payloads: Sequence[Buf], shapes: Sequence[Shape], tokens: 
         pos += take
     cache = new_cache(config)
     for layer in range(layout.num_layers):
-        cache.update(out[layer, 0].to(device), out[layer, 1].to(device), layer)
+        dev = layer_device(device, layer)
+        cache.update(out[layer, 0].to(dev), out[layer, 1].to(dev), layer)
     return cache

@@ -65,7 +65,7 @@ from kvtier.chunk import HEADER_SIZE, PAGE, dtype_itemsize
 from kvtier.keys import chunk_spans
 from kvtier.tiers.base import ABSENT
 from kvtier_hf.compat import new_cache, set_layer_kv
-from kvtier_hf.kv import fresh_kv
+from kvtier_hf.kv import Devices, fresh_kv, layer_device
 from kvtier_hf.kvpool import KVPool
 from kvtier_hf.staging import StagingRing
 
@@ -104,13 +104,13 @@ def staging_for(prefix_cache: PrefixCache) -> StagingRing:
 
 
 def restore(prefix_cache: PrefixCache, ids: np.ndarray, hit_tokens: int, use_tokens: int,
-            dtype: torch.dtype, config: Any = None, device: torch.device | str = "cpu",
+            dtype: torch.dtype, config: Any = None, device: Devices = "cpu",
             staging: StagingRing | None = None, kv_pool: KVPool | None = None) -> Restored:
     """Load up to ``use_tokens`` tokens of the ``hit_tokens``-token cached prefix of ``ids``
     into a new cache (fewer when a chunk is missing or refused). ``staging``: the caller's
     ring (see :func:`staging_for`; its buffers must fit one chunk of ``prefix_cache``), else
     one is built for this call. ``kv_pool``: where the K/V tensors' memory comes from (fresh
-    memory without one)."""
+    memory without one). ``device``: where the cache's K/V go, one device or one per layer."""
     lay = prefix_cache.spec.layout
     spans = chunk_spans(hit_tokens, lay.chunk_tokens)
     spans = [s for s in spans if s[0] < use_tokens]
@@ -130,7 +130,7 @@ def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 def _restore(prefix_cache: PrefixCache, keys: list[bytes], spans: list[tuple[int, int]], use_tokens: int,
-             dtype: torch.dtype, config: Any, device: torch.device | str, ring: StagingRing,
+             dtype: torch.dtype, config: Any, device: Devices, ring: StagingRing,
              kv_pool: KVPool | None) -> Restored:
     lay = prefix_cache.spec.layout
     batch = ring.batch
@@ -188,6 +188,6 @@ def _restore(prefix_cache: PrefixCache, keys: list[bytes], spans: list[tuple[int
     cache = new_cache(config)
     if done:
         for layer in range(lay.num_layers):
-            set_layer_kv(cache, layer, k_out[layer, :, :, :done].to(device),
-                         v_out[layer, :, :, :done].to(device))
+            dev = layer_device(device, layer)
+            set_layer_kv(cache, layer, k_out[layer, :, :, :done].to(dev), v_out[layer, :, :, :done].to(dev))
     return Restored(cache, done, per_tier, reason, nbytes)
