@@ -207,6 +207,13 @@ def check_figures(page: Any, shown: dict[str, Any], api: dict[str, Any]) -> None
     assert sum(p for _, p, _, _ in e["series"]) == e["totals"]["prompt_tokens"]
     tiers = page.locator("#tier-chart svg text").all_text_contents()
     assert set(e["totals"]["hits_per_tier"]) <= set(tiers)
+    # The storage nodes' figures too (the load is paused and its only tier, grpc, is written
+    # through: they no longer move), the chunk hit rate card as the lookups' ratio.
+    t = api["totals"]
+    assert shown["totals"] == t and shown["nodes_up"] == api["nodes_up"] == 2
+    assert t["lookups"] > 0 and t["hit_rate"] == t["hit_chunks"] / (t["hit_chunks"] + t["miss_chunks"])
+    assert t["capacity_bytes"] == sum(n["totals"]["capacity_bytes"] for n in api["nodes"])
+    assert page.text_content('[data-value="chunk_hit_rate"]') == pct(t["hit_rate"])
 
 
 def check_hostile_names_are_text(page: Any) -> None:

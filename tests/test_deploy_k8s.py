@@ -191,3 +191,28 @@ def test_production_scrapes_through_a_service_monitor() -> None:
     pdb = one(docs, "PodDisruptionBudget", "redis-cluster")
     sts = one(docs, "StatefulSet", "redis-cluster")
     assert pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_every_node_dashboard_finds_the_other_nodes(tree: str, tmp_path: Path) -> None:
+    """/dashboard shows the nodes named in ``peers``: a DaemonSet has no fixed addresses, so
+    the peers are the headless Service that resolves to every server pod (not-ready ones
+    too: a dead node shows down), on the HTTP port, which the NetworkPolicy must let the
+    servers reach. Without it each node's dashboard showed itself alone."""
+    docs = render(tree)
+    cfg = server_config(docs, tmp_path)
+    ds = one(docs, "DaemonSet", "kvtier-server")
+    (peer,) = cfg.peers
+    host, port = peer.rsplit(":", 1)
+    name, namespace = host.split(".")[:2]
+    svc = one(docs, "Service", name)
+    assert namespace == svc["metadata"]["namespace"] and int(port) == cfg.http_port
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    (svc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == cfg.http_port]
+    assert svc_port["targetPort"] == "http"  # headless: the pods are reached on their own port
+    policy = one(docs, "NetworkPolicy", "kvtier-server")
+    server_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert any(f["podSelector"]["matchLabels"].items() <= server_labels.items()
+               for rule in policy["spec"]["ingress"] if {"port": cfg.http_port, "protocol": "TCP"} in rule["ports"]
+               for f in rule["from"] if "podSelector" in f)

@@ -25,6 +25,7 @@ from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.labelcap import OTHER
 from kvtier.metrics import Metrics
+from kvtier.server.app import declare_node_capacity
 from kvtier.server.auth import Tenant
 from kvtier.server.lower import LowerCollector
 from kvtier.server.metrics import ServerMetrics
@@ -84,6 +85,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Family]]
     server = ServerMetrics(storage)
     server.registry.register(LowerCollector(storage, server.tenant_label))
     server.registry.register(EngineUsageCollector(UsageAggregator()))
+    declare_node_capacity(server.registry, {"cpu": 1 << 20, "disk": 1 << 20})  # as KVTierServer.start
     try:
         out = [*_families(client.registry), *_families(server.registry)]
         yield out

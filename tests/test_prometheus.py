@@ -310,3 +310,62 @@ def test_deploy_prometheus_config_is_valid() -> None:
     out = subprocess.run([promtool, "check", "config", str(ROOT / "deploy" / "prometheus.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_capacity_panels_equal_what_the_nodes_hold(scraped: Scraped) -> None:
+    """The capacity panels divide by what a node can hold. Three tenants share each node's
+    2 MiB of RAM without quotas, so each tenant's own capacity is the whole 2 MiB: summed over
+    tenants it read 6 MiB a node and the panels a third of the truth."""
+    variables = resolve_variables(scraped.prom)
+    panels = {title: expr for title, expr in dashboard_queries()}
+    used: dict[str, int] = {}
+    for node in scraped.nodes:
+        with urllib.request.urlopen(node.http + "/api/stats", timeout=10) as resp:
+            stats = json.loads(resp.read())
+        assert stats["capacity_bytes"] == {"cpu": 2 << 20}
+        used[node.http.removeprefix("http://")] = sum(t["used_bytes"] for t in stats["tenants"])
+    assert all(used.values()), used
+    overall = scraped.prom.scalar(substitute(panels["Capacity used"], variables, _window(scraped)))
+    assert overall == pytest.approx(sum(used.values()) / (len(used) * (2 << 20)), rel=1e-6)
+    per_node = {r["metric"]["instance"]: float(r["value"][1]) for r in scraped.prom.query(
+        substitute(panels["Capacity per node and tier"], variables, _window(scraped)))}
+    assert per_node == pytest.approx({inst: n / (2 << 20) for inst, n in used.items()}, rel=1e-6)
+
+
+def test_documented_engine_hit_ratio_counts_every_tier_once(tmp_path: Path) -> None:
+    """docs/metrics.md's cluster formula for the engines' prompt-token hit ratio, evaluated by
+    Prometheus over two real nodes that both receive one replica's usage reports (hits in two
+    tiers). Taking the max over nodes without the ``tier`` label, as the docs said, kept only the
+    busiest tier: 60 of 120 tokens instead of 90."""
+    from kvtier.config import KVTierConfig
+    from kvtier.usage.reporter import UsageReporter
+
+    [formula] = re.findall(r"<!-- engine-hit-ratio -->\n`([^`]+)`", (ROOT / "docs" / "metrics.md").read_text())
+    nodes = [start_server(tmp_path / f"u{i}", name=f"u{i}") for i in range(2)]
+    prom = None
+    cfg = KVTierConfig.from_dict({"grpc": {"enabled": True, "nodes": [n.address for n in nodes]},
+                                  "usage": {"interval_s": 3600, "replica_id": "r1"}})
+    reporter = UsageReporter(cfg, "m", "hf")
+    try:
+        prom = start_prometheus(tmp_path, {"kvtier-server": [n.http.removeprefix("http://") for n in nodes]})
+        started = time.time()
+
+        def scraped(prompt: int) -> bool:
+            q = f"count(kvtier_server_engine_prompt_tokens_total == {prompt})"
+            return bool(prom.query(q)) and prom.scalar(q) == 2
+
+        for total in (120, 240, 360):  # the first report creates the series; rate() sees the next ones
+            reporter.counters.record_lookup(120, {"cpu": 60, "grpc": 30}, "absent")
+            assert reporter.send_now(5.0) == 2
+            _wait(f"both nodes scraped at {total} prompt tokens", lambda t=total: scraped(t), 30)
+            time.sleep(SCRAPE_S * 1.5)
+        window = f"{int(time.time() - started) + 5}s"
+        ratio = prom.scalar(formula.replace("[5m]", f"[{window}]"))
+        assert ratio == pytest.approx(0.75, rel=0.02)
+    finally:
+        reporter.close()
+        if prom is not None:
+            prom.proc.terminate()
+            prom.proc.wait(20)
+        for node in nodes:
+            node.kill()

@@ -188,6 +188,57 @@ def test_caps_fold_into_other_without_losing_tokens() -> None:
     assert agg.capped > 0
 
 
+def test_a_replica_back_from_other_is_not_counted_twice() -> None:
+    """A replica folded into ``other`` (stale, room needed) that reports again -- first with
+    no room, then under its own name -- adds only what it did since: its earlier tokens are
+    in ``other`` already (they were added a second time, then a third)."""
+    clock = Clock()
+    agg = UsageAggregator(max_replicas=1, clock=clock)
+    agg.apply("t", report(usage(100, 50), replica="a", seq=1, uptime=5))
+    clock.t += 100  # a stops reporting; b takes its place, a's 100 go to "other"
+    agg.apply("t", report(usage(10, 5), replica="b", seq=1, uptime=5))
+    agg.apply("t", report(usage(110, 55), replica="a", seq=2, uptime=105))  # b is live: no room
+    clock.t += 100  # now b is silent: a gets a place again
+    agg.apply("t", report(usage(120, 60), replica="a", seq=3, uptime=205))
+    held = {e["replica"]: e["totals"]["prompt_tokens"] for e in agg.document()["replicas"]}
+    assert sum(held.values()) == 120 + 10, held  # a's 120 and b's 10, each once
+    assert held["a"] == 10 and totals(agg, "a")["restarts"] == 0
+    # ... and the view of it, as /api/cluster shows it
+    assert engines_document([("n", agg.document())])["totals"]["prompt_tokens"] == 130
+
+
+def test_labels_a_client_invents_are_capped_per_replica() -> None:
+    """Label values come from the report: a client that names new tiers in every report
+    (each report within the decoder's bounds) must not grow the totals, nor the node's
+    /metrics series, for ever. Known histogram bounds and TTFT kinds are never folded."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvtier.server.usage_metrics import EngineUsageCollector
+    from kvtier.usage.counters import BUCKET_LABELS
+
+    agg = UsageAggregator()
+    sent = 0.0
+    for i in range(40):
+        counters: dict[str, float] = {f"hit_tokens/t{i}-{j}": 1.0 for j in range(100)}
+        counters.update({f"restore_seconds_bucket/{b}": float(i + 1) for b in BUCKET_LABELS})
+        counters["ttft_seconds_count/hit"] = float(i + 1)
+        sent += 100
+        agg.apply("t", decode_report(json.dumps({
+            "v": 1, "replica": "r", "source": "s", "model": "m", "interval_s": 5, "uptime_s": i + 1,
+            "seq": i + 1, "counters": counters}).encode()))
+    held = totals(agg, "r")["totals"]
+    tiers = {k for k in held if k.startswith("hit_tokens/")}
+    assert len(tiers) == MAX_LABELS + 1 and "hit_tokens/other" in tiers
+    assert sum(held[k] for k in tiers) == sent  # folded, never lost
+    assert {k for k in held if k.startswith("restore_seconds_bucket/")} == \
+        {f"restore_seconds_bucket/{b}" for b in BUCKET_LABELS}
+    registry = CollectorRegistry()
+    registry.register(EngineUsageCollector(agg))
+    lines = [x for x in generate_latest(registry).decode().splitlines()
+             if x.startswith("kvtier_server_engine_hit_tokens_total{")]
+    assert len(lines) == MAX_LABELS + 1
+
+
 # --- the cross-node merge ------------------------------------------------------------------------
 
 def test_one_replica_on_two_nodes_is_counted_once_and_stale_only_when_both_say_so() -> None:

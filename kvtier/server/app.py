@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Gauge
 
 from kvtier import __version__
 from kvtier.server.auth import Authenticator
@@ -101,6 +102,7 @@ class KVTierServer:
         self.metrics = ServerMetrics(self.storage, label_values=cfg.metrics_label_values)
         self.metrics.registry.register(LowerCollector(self.storage, self.metrics.tenant_label))
         self.metrics.registry.register(EngineUsageCollector(self.usage))
+        declare_node_capacity(self.metrics.registry, self.capacity_bytes())
         limits = Limits(cfg.max_batch_keys, min(cfg.max_chunk_bytes, self.storage.max_chunk_bytes()),
                         cfg.max_message_bytes)
         tls_ctx = server_ssl_context(cfg)
@@ -164,11 +166,16 @@ class KVTierServer:
             tmp.write_text(json.dumps(doc))
             os.replace(tmp, path)
 
+    def capacity_bytes(self) -> dict[str, int]:
+        """Per tier of this node, the budget its tenants share (``cpu``, ``disk``)."""
+        cfg = self.cfg
+        return {name: tier.capacity_bytes for name, tier in (("cpu", cfg.cpu), ("disk", cfg.disk)) if tier.enabled}
+
     def stats_document(self) -> dict[str, Any]:
         assert self.storage is not None
         return {
             "node_id": self.node_id, "version": __version__, "uptime_s": time.monotonic() - self.started,
-            "ports": self.ports, "draining": self.draining,
+            "ports": self.ports, "draining": self.draining, "capacity_bytes": self.capacity_bytes(),
             "tenants": [_tenant_dict(s) for s in self.storage.stores.values()],
             "usage": self.usage.document(),
         }
@@ -195,6 +202,16 @@ class KVTierServer:
         if self.cfg.ready_file:
             Path(self.cfg.ready_file).unlink(missing_ok=True)
         log.info("stopped cleanly")
+
+
+def declare_node_capacity(registry: CollectorRegistry, capacity: dict[str, int]) -> None:
+    """``kvtier_server_node_capacity_bytes{tier}``: the node's budget per tier, what Grafana
+    divides used bytes by. The tenants' own capacities (``kvtier_server_tier_capacity_bytes``)
+    may each be the whole budget, so their sum is not what the node holds."""
+    gauge = Gauge("kvtier_server_node_capacity_bytes", "Bytes a tier of this node holds, all tenants "
+                  "together (its budget)", ["tier"], registry=registry)
+    for tier, nbytes in capacity.items():
+        gauge.labels(tier).set(nbytes)
 
 
 def _read(path: str) -> bytes:

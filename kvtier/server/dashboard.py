@@ -9,22 +9,32 @@ page longer than the deadline. The pure half (:func:`node_summary`, :func:`clust
 turns stats documents into the dashboard document without I/O, so it is unit-tested directly.
 
 Definitions (the dashboard and deploy/grafana use the same ones):
-- chunk hits and misses count Lookup probes and Get reads together; a lookup that stops at
-  chunk i of n counts n - i misses under the reason it stopped;
+- ``hit_chunks`` / ``miss_chunks`` / ``hit_rate`` count Lookup probes only (Grafana's
+  ``op="lookup"``); a lookup that stops at chunk i of n counts n - i misses under the reason it
+  stopped. Get reads are counted apart (``read_hit_chunks``, ``read_miss_chunks``,
+  ``read_miss_reasons``): a client reads the chunks its lookup found, so adding them in would
+  count each hit twice and each miss once (a 50 % prefix read 67 %);
 - a tier's hit rate is the share of the chunks that *reached* it (its hits, the hits of the
-  tiers below it, and the misses) that it served; a node's hit rate is hits / (hits + misses);
-- ``capacity_bytes`` of a tier is the sum of its tenants' shares (what it can hold).
-Stats from an older server that lacks the traffic fields read as zeros, never as an error.
+  tiers below it -- a lower tier the node does not list, ``redis``, included -- and the misses)
+  that it served; a node's hit rate is hits / (hits + misses), the cluster's is the sum of the
+  nodes' hits over the sum of their lookups (never an average of ratios);
+- ``capacity_bytes`` of a tier is what the node can hold in it: the sum of its tenants'
+  capacities, at most the node's budget for the tier (``capacity_bytes`` in /api/stats; tenants
+  without a quota may each fill the whole budget, so the plain sum counts it once per tenant).
+Stats from an older server that lacks these fields read as zeros (or the plain sum), never as
+an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import socket
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -75,7 +85,7 @@ async def fetch_stats(address: str, timeout: float = PEER_TIMEOUT_S) -> PeerRepl
     try:
         doc = await asyncio.wait_for(_get(address, "/api/stats"), timeout)
     except asyncio.TimeoutError:
-        error = f"no reply within {timeout:g}s"
+        error = f"no reply within {timeout:.2g}s"
     except ConnectionRefusedError:
         error = "connection refused"
     except OSError as exc:  # asyncio's connect errors carry the text in strerror, not errno's
@@ -112,9 +122,52 @@ async def _get(address: str, path: str, stats: bool = True) -> dict[str, Any]:
         writer.close()
 
 
-async def gather(peers: Sequence[str], timeout: float = PEER_TIMEOUT_S) -> list[PeerReply]:
-    """Every peer's reply, fetched concurrently, in ``peers`` order."""
-    return list(await asyncio.gather(*(fetch_stats(p, timeout) for p in peers)))
+Resolve = Callable[[str, int], Awaitable[list[str]]]  # host, port -> its addresses
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (the system resolver, off the loop's thread)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+async def gather(peers: Sequence[str], timeout: float = PEER_TIMEOUT_S,
+                 resolve: Resolve = resolve_host) -> list[PeerReply]:
+    """Every peer's reply, fetched concurrently, in ``peers`` order; a peer whose host name
+    has several addresses (a Kubernetes headless Service) is each of them (:func:`addresses`),
+    all within ``timeout``."""
+    groups = await asyncio.gather(*(_peer_replies(p, timeout, resolve) for p in peers))
+    return [reply for group in groups for reply in group]
+
+
+async def _peer_replies(peer: str, timeout: float, resolve: Resolve) -> list[PeerReply]:
+    start = time.monotonic()
+    targets = await addresses(peer, timeout, resolve)
+    left = max(0.0, timeout - (time.monotonic() - start))
+    return list(await asyncio.gather(*(fetch_stats(t, left) for t in targets)))
+
+
+async def addresses(peer: str, timeout: float = PEER_TIMEOUT_S, resolve: Resolve = resolve_host) -> list[str]:
+    """``peer`` as the ``host:port`` targets to ask: itself, or for a host name that resolves
+    to several addresses (a headless Service listing every kvtier-server pod), one per address,
+    IPv4 ones when there are any (a dual-stack name is one node per IPv4 address, and a node
+    that listens on one family only must not show down on the other). A name that does not
+    resolve stays as it is: its fetch fails and shows it down, with why."""
+    host, port = parse_hostport(peer)
+    try:
+        ipaddress.ip_address(host)
+        return [peer]
+    except ValueError:
+        pass
+    try:
+        found = set(await asyncio.wait_for(resolve(host, port), timeout))
+    except (OSError, asyncio.TimeoutError):
+        return [peer]
+    v4 = sorted(a for a in found if ":" not in a)
+    chosen = v4 or sorted(found)
+    if len(chosen) <= 1:
+        return [peer]
+    return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in chosen]
 
 
 async def cluster(local: dict[str, Any], peers: Sequence[str],
@@ -145,40 +198,54 @@ def _rate(hits: int, misses: int) -> float | None:
     return hits / (hits + misses) if hits + misses else None
 
 
+# Per-node counts summed over tenants (then over nodes); hit/miss are lookups', read_* Gets'.
+_NODE_COUNTS = ("hit_chunks", "miss_chunks", "lookups", "read_hit_chunks", "read_miss_chunks", "bytes_in",
+                "bytes_out")
+
+
 def node_summary(doc: Mapping[str, Any], address: str = "", latency_s: float = 0.0) -> dict[str, Any]:
     """One node's dashboard entry from its /api/stats document: tiers summed over tenants
     (in the order the node stacks them, fastest first), tenants, and node totals."""
     tiers: dict[str, dict[str, Any]] = {}
     tenants: list[dict[str, Any]] = []
     misses: Counter[str] = Counter()
+    read_misses: Counter[str] = Counter()
+    hits_by_tier: Counter[str] = Counter()
     totals: Counter[str] = Counter()
     for t in doc.get("tenants", ()):
         lookup, get = t.get("lookup") or {}, t.get("get") or {}
-        t_hits = _sum(lookup.get("hit_chunks")) + _sum(get.get("hit_chunks"))
-        t_miss = Counter(lookup.get("miss_chunks") or {}) + Counter(get.get("miss_chunks") or {})
+        t_hits = _sum(lookup.get("hit_chunks"))
+        t_miss = Counter({str(k): int(v) for k, v in (lookup.get("miss_chunks") or {}).items()})
+        t_read_miss = Counter({str(k): int(v) for k, v in (get.get("miss_chunks") or {}).items()})
         misses.update(t_miss)
+        read_misses.update(t_read_miss)
+        hits_by_tier.update({str(k): int(v) for k, v in (lookup.get("hit_chunks") or {}).items()})
         for tier in t.get("tiers", ()):
             agg = tiers.setdefault(tier["name"], {"name": tier["name"], "used_bytes": 0, "capacity_bytes": 0,
                                                   "entries": 0, "hit_chunks": 0, "evictions": Counter()})
             for k in ("used_bytes", "capacity_bytes", "entries"):
                 agg[k] += int(tier.get(k, 0))
-            agg["hit_chunks"] += int((lookup.get("hit_chunks") or {}).get(tier["name"], 0))
-            agg["hit_chunks"] += int((get.get("hit_chunks") or {}).get(tier["name"], 0))
             agg["evictions"].update({str(k): int(v) for k, v in (tier.get("evictions") or {}).items()})
         tenants.append({
             "tenant": t.get("tenant", "?"), "used_bytes": int(t.get("used_bytes", 0)),
             "quota_bytes": int(t.get("quota_bytes", 0)), "entries": int(t.get("entries", 0)),
             "evictions": int(t.get("evictions", 0)), "hit_chunks": t_hits, "miss_chunks": sum(t_miss.values()),
             "hit_rate": _rate(t_hits, sum(t_miss.values())), "lookups": int(lookup.get("requests", 0)),
+            "read_hit_chunks": _sum(get.get("hit_chunks")), "read_miss_chunks": sum(t_read_miss.values()),
             "bytes_in": int(t.get("bytes_in", 0)), "bytes_out": int(t.get("bytes_out", 0))})
-        totals.update({k: tenants[-1][k] for k in ("hit_chunks", "miss_chunks", "lookups", "bytes_in", "bytes_out")})
-    miss_total = sum(misses.values())
-    below = miss_total  # chunks that reached a tier = its hits + hits of tiers below + misses
+        totals.update({k: tenants[-1][k] for k in _NODE_COUNTS})
+    budgets = doc.get("capacity_bytes")
+    budgets = budgets if isinstance(budgets, dict) else {}
     tier_list = list(tiers.values())
+    # Chunks that reached a tier = its hits + hits of the tiers below (listed or not) + misses.
+    below = sum(misses.values()) + sum(n for name, n in hits_by_tier.items() if name not in tiers)
     for agg in reversed(tier_list):
+        agg["hit_chunks"] = hits_by_tier[agg["name"]]
         below += agg["hit_chunks"]
         agg["hit_rate"] = _rate(agg["hit_chunks"], below - agg["hit_chunks"])
         agg["evictions"] = dict(agg["evictions"])
+        if agg["name"] in budgets:  # tenants that share the budget: the node holds it once
+            agg["capacity_bytes"] = min(agg["capacity_bytes"], int(budgets[agg["name"]]))
     # The bottom tier bounds what a node holds (RAM caches it when there is a disk).
     bottom = tier_list[-1] if tier_list else {"used_bytes": 0, "capacity_bytes": 0, "entries": 0}
     evictions: Counter[str] = Counter()
@@ -190,10 +257,10 @@ def node_summary(doc: Mapping[str, Any], address: str = "", latency_s: float = 0
         "uptime_s": float(doc.get("uptime_s", 0.0)), "latency_ms": round(latency_s * 1000, 1),
         "tiers": tier_list, "tenants": tenants,
         "totals": {"used_bytes": bottom["used_bytes"], "capacity_bytes": bottom["capacity_bytes"],
-                   "entries": bottom["entries"], **{k: totals[k] for k in
-                   ("hit_chunks", "miss_chunks", "lookups", "bytes_in", "bytes_out")},
+                   "entries": bottom["entries"], **{k: totals[k] for k in _NODE_COUNTS},
                    "hit_rate": _rate(totals["hit_chunks"], totals["miss_chunks"]),
-                   "miss_reasons": dict(misses), "evictions": dict(evictions)},
+                   "miss_reasons": dict(misses), "read_miss_reasons": dict(read_misses),
+                   "evictions": dict(evictions)},
     }
 
 
@@ -220,15 +287,18 @@ def _peer_summary(reply: PeerReply) -> dict[str, Any]:
 
 def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
                      now: float | None = None) -> dict[str, Any]:
-    """This node first, then each peer in order (a peer that is this node is dropped, so
-    every node can be given the same list), and cluster totals over the nodes that are up."""
+    """This node first, then each peer in order (a peer that is this node, or a node already
+    listed, is dropped: every node can be given the same list, and a node named twice is
+    counted once), and cluster totals over the nodes that are up."""
     me = str(local.get("node_id", ""))
     nodes = [node_summary(local, "self")]
     usage = [(me, local.get("usage") or {})]
+    seen = {me}  # a node reached under two addresses (a name and its IP, v4 and v6) counts once
     for reply in replies:
         if reply.doc is None:
             nodes.append(down_node(reply))
-        elif str(reply.doc.get("node_id", "")) != me:
+        elif str(reply.doc.get("node_id", reply.address)) not in seen:
+            seen.add(str(reply.doc.get("node_id", reply.address)))
             nodes.append(_peer_summary(reply))
             if nodes[-1]["up"] and _usage_ok(reply.doc.get("usage")):
                 usage.append((nodes[-1]["node_id"], reply.doc["usage"]))
@@ -236,13 +306,14 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
     total: Counter[str] = Counter()
     evictions: Counter[str] = Counter()
     misses: Counter[str] = Counter()
+    read_misses: Counter[str] = Counter()
     tiers: dict[str, Counter[str]] = {}
     for n in up:
         t = n["totals"]
-        total.update({k: t[k] for k in ("used_bytes", "capacity_bytes", "entries", "hit_chunks",
-                                         "miss_chunks", "lookups", "bytes_in", "bytes_out")})
+        total.update({k: t[k] for k in ("used_bytes", "capacity_bytes", "entries", *_NODE_COUNTS)})
         evictions.update(t["evictions"])
         misses.update(t["miss_reasons"])
+        read_misses.update(t["read_miss_reasons"])
         for tier in n["tiers"]:
             agg = tiers.setdefault(tier["name"], Counter())
             agg.update({k: tier[k] for k in ("used_bytes", "capacity_bytes", "entries", "hit_chunks")})
@@ -250,10 +321,10 @@ def cluster_document(local: Mapping[str, Any], replies: Iterable[PeerReply],
     return {
         "generated_at": time.time() if now is None else now, "self": me,
         "nodes_up": len(up), "nodes_down": len(nodes) - len(up), "nodes": nodes,
-        "totals": {**{k: total[k] for k in ("used_bytes", "capacity_bytes", "entries", "hit_chunks",
-                                             "miss_chunks", "lookups", "bytes_in", "bytes_out")},
+        "totals": {**{k: total[k] for k in ("used_bytes", "capacity_bytes", "entries", *_NODE_COUNTS)},
                    "hit_rate": _rate(total["hit_chunks"], total["miss_chunks"]),
-                   "evictions": dict(evictions), "miss_reasons": dict(misses)},
+                   "evictions": dict(evictions), "miss_reasons": dict(misses),
+                   "read_miss_reasons": dict(read_misses)},
         "tiers": [{"name": name, **dict(c)} for name, c in tiers.items()],
         "engines": usage_view.engines_document(usage),
     }

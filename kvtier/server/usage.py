@@ -16,8 +16,16 @@ the deltas between consecutive reports, so:
 
 Caps (every name comes from outside): ``max_tenants`` and ``max_models`` distinct names, then
 ``other``; ``max_replicas`` keys, then a stale key is folded into its ``(tenant, model,
-"other")`` entry to make room, or, when none is stale, the newcomer is counted there (its
-previous counters are kept in a separate LRU of ``max_tracked`` so that its deltas stay right).
+"other")`` entry to make room, or, when none is stale, the newcomer is counted there. The last
+counters of a key counted in ``other`` (folded, or a newcomer without room) are kept in an LRU
+of ``max_tracked``, so that when it reports again -- into ``other`` or, room made, under its own
+name -- only its delta is added (its earlier figures are already in ``other``). Per key, a
+labelled counter (``hit_tokens/<tier>``, ``miss_tokens/<reason>``) keeps at most
+:data:`MAX_LABELS` label values, the rest summed under ``<base>/other``: the client caps its
+labels the same way, but a report's names come from outside, and without this a client that
+sends new names in every report would grow the totals (and the ``/metrics`` series of
+:mod:`kvtier.server.usage_metrics`) for ever. Histogram bounds and TTFT kinds the server knows
+(:data:`kvtier.usage.counters.BUCKET_LABELS`, ``TTFT_KINDS``) do not count against the cap.
 
 The same replica reporting to two nodes is two copies of one key; :mod:`kvtier.server.usage_view`
 merges copies across nodes without adding them. Threads: one lock; every call is short.
@@ -32,12 +40,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.usage.counters import PrefixFigures
+from kvtier.usage.counters import BUCKET_LABELS, MAX_LABELS, TTFT_KINDS, PrefixFigures
 from kvtier.usage.wire import UsageReport
 
 OTHER = "other"
 STALE_INTERVALS = 3
 Key = tuple[str, str, str, str]  # tenant, model, replica, source
+# Labels a labelled counter may carry beyond the MAX_LABELS cap: the ones the server reads.
+_KNOWN_LABELS = {"restore_seconds_bucket": frozenset(BUCKET_LABELS),
+                 "ttft_seconds_sum": frozenset(TTFT_KINDS), "ttft_seconds_count": frozenset(TTFT_KINDS)}
 
 
 @dataclass
@@ -62,6 +73,19 @@ class ReplicaState:
 
 def hit_tokens(counters: Mapping[str, float]) -> float:
     return sum(v for k, v in counters.items() if k.startswith("hit_tokens/"))
+
+
+def fold_counters(totals: dict[str, float], delta: Mapping[str, float]) -> None:
+    """Add ``delta`` into ``totals``, a label past the first MAX_LABELS of its counter (known
+    histogram bounds and TTFT kinds aside) going to ``<base>/other`` (see the module docstring)."""
+    for name, v in delta.items():
+        if name not in totals:
+            base, sep, label = name.partition("/")
+            if sep and label != OTHER and label not in _KNOWN_LABELS.get(base, ()):
+                labels = sum(1 for k in totals if k.startswith(base + "/") and k != f"{base}/{OTHER}")
+                if labels >= MAX_LABELS:
+                    name = f"{base}/{OTHER}"
+        totals[name] = totals.get(name, 0.0) + v
 
 
 class UsageAggregator:
@@ -91,11 +115,17 @@ class UsageAggregator:
             if state is None and key[2] != OTHER and not self._make_room():
                 self._apply_overflow(key, report, now)
                 return
+            prev: dict[str, float] | None = state.last if state is not None and state.reports else None
+            prev_uptime = state.uptime_s if state is not None and state.reports else None
             if state is None:
                 state = self._states[key] = ReplicaState(tenant, model, report.replica, report.source, now)
-            prev_uptime = state.uptime_s if state.reports else None
-            delta, recent = self._delta(state.last if state.reports else None, prev_uptime, report)
-            if state.reports and delta is report.counters:
+                # Counted in "other" before (folded, or no room then): what it reported up to
+                # there is in "other" already, so only what came since is this key's.
+                carried = self._overflow_last.pop(key, None)
+                if carried is not None:
+                    prev_uptime, prev = carried
+            delta, recent = self._delta(prev, prev_uptime, report)
+            if prev is not None and delta is report.counters:
                 state.restarts += 1
             state.last = dict(report.counters)
             state.last_seen, state.interval_s, state.uptime_s = now, report.interval_s, report.uptime_s
@@ -118,8 +148,7 @@ class UsageAggregator:
         return {k: v - prev.get(k, 0.0) for k, v in cur.items() if v != prev.get(k, 0.0)}, True
 
     def _add(self, state: ReplicaState, delta: Mapping[str, float], recent: bool, now: float) -> None:
-        for k, v in delta.items():
-            state.totals[k] = state.totals.get(k, 0.0) + v
+        fold_counters(state.totals, delta)
         prompt = delta.get("prompt_tokens", 0.0)
         if recent and prompt:
             cell = state.series.setdefault(int(now // self.bucket_s), [0.0, 0.0])
@@ -148,10 +177,11 @@ class UsageAggregator:
         if not stale:
             return False
         victim = min(stale, key=lambda s: s.last_seen)
-        del self._states[(victim.tenant, victim.model, victim.replica, victim.source)]
+        victim_key: Key = (victim.tenant, victim.model, victim.replica, victim.source)
+        del self._states[victim_key]
+        self._remember(victim_key, victim.uptime_s, victim.last)
         other = self._other(victim.tenant, victim.model, now)
-        for k, v in victim.totals.items():
-            other.totals[k] = other.totals.get(k, 0.0) + v
+        fold_counters(other.totals, victim.totals)
         for b, (p, h) in victim.series.items():
             cell = other.series.setdefault(b, [0.0, 0.0])
             cell[0] += p
@@ -168,13 +198,18 @@ class UsageAggregator:
         self.capped += 1
         prev = self._overflow_last.pop(key, None)
         delta, recent = self._delta(prev[1] if prev else None, prev[0] if prev else None, report)
-        self._overflow_last[key] = (report.uptime_s, dict(report.counters))
-        while len(self._overflow_last) > self.max_tracked:
-            self._overflow_last.popitem(last=False)
+        self._remember(key, report.uptime_s, report.counters)
         other = self._other(key[0], key[1], now)
         other.last_seen = now
         other.reports += 1
         self._add(other, delta, recent, now)
+
+    def _remember(self, key: Key, uptime_s: float, counters: Mapping[str, float]) -> None:
+        """The last counters of ``key``, now counted in ``other`` (an LRU of max_tracked)."""
+        self._overflow_last.pop(key, None)
+        self._overflow_last[key] = (uptime_s, dict(counters))
+        while len(self._overflow_last) > self.max_tracked:
+            self._overflow_last.popitem(last=False)
 
     @staticmethod
     def _is_stale(state: ReplicaState, now: float) -> bool:

@@ -96,7 +96,8 @@ function renderEngines(e) {
 function renderCards(doc) {
   const t = doc.totals || {};
   $("cards").replaceChildren(
-    card("chunk hit rate", pct(t.hit_rate), `${count(t.hit_chunks)} hit / ${count(t.miss_chunks)} missed chunks`, "", "chunk_hit_rate"),
+    card("chunk hit rate", pct(t.hit_rate), `lookups: ${count(t.hit_chunks)} hit / ${count(t.miss_chunks)} missed chunks` +
+         (t.read_miss_chunks ? ` \u00b7 ${count(t.read_miss_chunks)} chunk reads missed` : ""), "", "chunk_hit_rate"),
     card("used", bytes(t.used_bytes), `of ${bytes(t.capacity_bytes)} \u00b7 ${count(t.entries)} chunks`, "", "used"),
     card("bytes in / out", `${bytes(t.bytes_in)}`, `${bytes(t.bytes_out)} out \u00b7 ${count(t.lookups)} lookups`, "", "bytes"),
     card("evictions", count(sumValues(t.evictions)), Object.entries(t.evictions || {}).map(([k, v]) => `${k} ${count(v)}`).join(", ") || "none", "", "evictions"),
