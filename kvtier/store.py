@@ -105,13 +105,18 @@ class TieredStore:
         n = len(keys)
         pos, runs, reason = 0, [], ABSENT
         progress = True
-        bound = self._bind_all(prefix)
+        bound = [self._verbs(t, prefix) for t in self.tiers]
+        # Where each tier's last probe stopped: asking it again from there tells nothing new.
+        stopped = [-1] * len(bound)
         while progress and pos < n:
             progress = False
             for level, verbs in enumerate(bound):
                 if pos >= n:
                     break
+                if stopped[level] == pos:
+                    continue
                 probe = verbs.probe(keys[pos:] if pos else keys)
+                stopped[level] = pos + probe.hits
                 if probe.hits:
                     runs.append((self.tiers[level].name, probe.hits))
                     self._hit_chunks[level].inc(probe.hits)
@@ -122,10 +127,6 @@ class TieredStore:
                     reason = probe.reason
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return LookupResult(pos, tuple(runs), reason if pos < n else ABSENT)
-
-    def _bind_all(self, prefix: Sequence[bytes] | None) -> list[Tier | PrefixOps]:
-        """Every tier's verbs for ``prefix`` (see :meth:`_verbs`)."""
-        return [self._verbs(t, prefix) for t in self.tiers]
 
     def _verbs(self, tier: Tier, prefix: Sequence[bytes] | None) -> Tier | PrefixOps:
         """:func:`bind_prefix` for one of this store's tiers, with the isinstance test made

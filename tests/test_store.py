@@ -13,7 +13,7 @@ from kvtier.chunk import HEADER_SIZE, encode_chunk
 from kvtier.config import StoreConfig
 from kvtier.keys import KVLayout, NamespaceSpec
 from kvtier.store import TieredStore
-from kvtier.tiers.base import Entry
+from kvtier.tiers.base import Entry, Probe
 from kvtier.tiers.memory import MemoryTier
 from tests.fakes import RaisingTier
 
@@ -61,6 +61,36 @@ def test_lookup_counts_leading_run_across_tiers_and_fills_gaps() -> None:
         assert res.hits == 4 and res.per_tier == {"a": 2, "b": 2}
         assert [name for name, _ in res.runs] == ["a", "b", "a", "b"]
         assert store.lookup(keys[1:]).hits == 3 and store.lookup([keys[4]]).hits == 0
+
+
+class CountingTier(MemoryTier):
+    """Counts the probes it answers (each is a round trip on a remote tier)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+        self.probes = 0
+
+    def _probe(self, keys: Sequence[bytes]) -> Probe:
+        self.probes += 1
+        return super()._probe(keys)
+
+
+def test_lookup_asks_no_tier_again_where_it_already_missed() -> None:
+    """A tier whose probe stopped at position p said keys[p] is missing there: the lookup's
+    next pass asks it again only from a later position. Every lookup that stopped short
+    asked every tier twice (a remote tier: 400 engine lookups made 1251 node lookups)."""
+    a, b, c = CountingTier("a"), CountingTier("b"), CountingTier("c")
+    keys, entries = _entries(5)
+    a.put(entries[:3])
+    with TieredStore([a, b, c]) as store:
+        assert store.lookup(keys).hits == 3
+        assert (a.probes, b.probes, c.probes) == (1, 1, 1)
+        b.put([entries[3]])  # now a gap filled by b: a is asked again past it, b and c are not
+        assert store.lookup(keys).hits == 4
+        assert (a.probes, b.probes, c.probes) == (3, 2, 2)
+        a.put([entries[4]])  # a holds the key after b's: found on a's second probe
+        res = store.lookup(keys)
+        assert res.hits == 5 and [name for name, _ in res.runs] == ["a", "b", "a"]
 
 
 def test_load_promotes_into_upper_tiers_unless_disabled() -> None:
