@@ -2,7 +2,7 @@
  *
  * check_keys(keys: sequence, width: int) -> None
  *     ValueError unless len(key) == width for every key, TypeError for a key that is not
- *     bytes-like (kvtier.tiers.base.check_keys).
+ *     bytes-like (kvtier.tiers.base.check_keys), wherever it is: the TypeError wins.
  * leading_run(mapping: dict, keys: sequence) -> int
  *     How many leading keys are in mapping (kvtier.tiers.base.leading_run): stops at the
  *     first miss.
@@ -47,6 +47,17 @@ static PyObject *check_keys(PyObject *self, PyObject *args) {
             return NULL;
         }
         if (len != width) {
+            /* A key that is not bytes-like anywhere in the list is the TypeError, as in Python
+             * (which checks every key's type before any length): the same error class for the
+             * same keys, whichever loop runs. Only on this error path: no cost to a good probe. */
+            for (Py_ssize_t j = i + 1; j < PySequence_Fast_GET_SIZE(seq); j++) {
+                PyObject *later = PySequence_Fast_GET_ITEM(seq, j);
+                if (!PyBytes_CheckExact(later) && !PyObject_CheckBuffer(later)) {
+                    PyErr_Format(PyExc_TypeError, "chunk keys are bytes, got %.100s", Py_TYPE(later)->tp_name);
+                    Py_DECREF(seq);
+                    return NULL;
+                }
+            }
             PyErr_Format(PyExc_ValueError, "chunk keys are %zd bytes, got one of %zd", width, len);
             Py_DECREF(seq);
             return NULL;

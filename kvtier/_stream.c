@@ -64,14 +64,24 @@ static int prepare(job_t *j, PyObject *dst, PyObject *src, PyObject *offsets, in
         return -1;
     }
     Py_buffer *flat = gather ? &j->dst : &j->src, *strided = gather ? &j->src : &j->dst;
+    /* Checked before the product and the bounds below are formed: signed overflow there is
+     * undefined, and a wrapped bound once let a far `start` pass and read out of the buffer. */
+    if (j->n > 0 && j->run > PY_SSIZE_T_MAX / j->n) {
+        PyErr_Format(PyExc_ValueError, "%zd runs of %zd bytes are more bytes than any buffer holds", j->n, j->run);
+        return -1;
+    }
     if (flat->len != j->n * j->run) {
         PyErr_Format(PyExc_ValueError, "%s is %zd bytes; %zd runs of %zd bytes are %zd",
                      gather ? "dst" : "src", flat->len, j->n, j->run, j->n * j->run);
         return -1;
     }
     const int64_t *off = j->off.buf;
+    /* room: the largest offset a run may start at (-1: none fits); start > len is ruled out
+     * first, so neither subtraction overflows. */
+    Py_ssize_t room = j->start > strided->len || j->run > strided->len - j->start
+                          ? -1 : strided->len - j->start - j->run;
     for (Py_ssize_t i = 0; i < j->n; i++) {
-        if (off[i] < 0 || off[i] > strided->len - j->start - j->run) {
+        if (off[i] < 0 || off[i] > room) {
             PyErr_Format(PyExc_ValueError, "run %zd at offset %lld (start %zd, %zd bytes) leaves the "
                          "%zd-byte %s buffer", i, (long long)off[i], j->start, j->run, strided->len,
                          gather ? "source" : "destination");

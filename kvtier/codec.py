@@ -70,7 +70,9 @@ def compress(codec: Codec, data: Buf, *, shuffle_itemsize: int = 0, level: int =
 
 
 def decompress(codec: Codec, data: Buf, raw_len: int, *, shuffle_itemsize: int = 0) -> Buf:
-    """Inverse of :func:`compress`; raises ChunkError('corrupt') on malformed input."""
+    """Inverse of :func:`compress`; raises ChunkError('corrupt') on malformed input. Never
+    allocates more than ``raw_len`` bytes of output (the chunk header's declared length),
+    whatever sizes the compressed stream itself claims."""
     out: Buf
     try:
         if codec == Codec.RAW:
@@ -82,6 +84,12 @@ def decompress(codec: Codec, data: Buf, raw_len: int, *, shuffle_itemsize: int =
         elif codec == Codec.ZSTD:
             import zstandard
 
+            # max_output_size bounds only a frame that does not declare its size: one that
+            # does is decompressed into a buffer of the size it declares, whatever raw_len
+            # says (a 2 KiB frame filled 64 MiB before the length check below refused it).
+            declared = zstandard.get_frame_parameters(data).content_size
+            if declared not in (raw_len, zstandard.CONTENTSIZE_UNKNOWN):
+                raise ChunkError("corrupt", f"ZSTD frame declares {declared} bytes, header says {raw_len}")
             out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_len)
         else:
             raise ChunkError("unknown_codec", f"codec id {int(codec)} is not known")

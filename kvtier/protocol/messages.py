@@ -35,7 +35,6 @@ from kvtier.protocol.wire import (
     VERSION,
     WELCOME,
     Frame,
-    FrameHeader,
     ProtocolError,
     WireLimits,
     encode_header,
@@ -155,12 +154,18 @@ def parse_text(frame: Frame) -> str:
 
 def parse_welcome(frame: Frame) -> dict[str, Any]:
     expect_type(frame, WELCOME)
+    return _json_object(frame, "WELCOME")
+
+
+def _json_object(frame: Frame, what: str) -> dict[str, Any]:
+    """The frame's body as a JSON object. RecursionError too is the peer's doing: a 64 KiB
+    control body holds JSON nested deeper than the parser's stack."""
     try:
         info = json.loads(bytes(frame.body))
-    except ValueError:
-        raise ProtocolError("WELCOME body is not JSON") from None
+    except (ValueError, RecursionError):
+        raise ProtocolError(f"{what} body is not JSON") from None
     if not isinstance(info, dict):
-        raise ProtocolError("WELCOME body is not a JSON object")
+        raise ProtocolError(f"{what} body is not a JSON object")
     return info
 
 
@@ -274,7 +279,7 @@ class ShmOffer:
 
 def parse_shm_ready(frame: Frame) -> ShmOffer:
     expect_type(frame, SHM_READY)
-    info = parse_welcome(Frame(FrameHeader(WELCOME, 0, 0, frame.header.length), frame.body))
+    info = _json_object(frame, "SHM_READY")
     sock, ticket, size = info.get("socket"), info.get("ticket"), info.get("size")
     if (not isinstance(sock, str) or not sock or not isinstance(ticket, str) or not ticket
             or not isinstance(size, int) or isinstance(size, bool) or size <= 0):

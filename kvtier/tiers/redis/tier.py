@@ -41,6 +41,7 @@ from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import (
     ABSENT,
+    ERROR,
     EXPIRED,
     TOO_LARGE,
     Entry,
@@ -51,7 +52,7 @@ from kvtier.tiers.base import (
     check_keys,
 )
 from kvtier.tiers.redis.conn import as_value, resolve_target
-from kvtier.tiers.redis.health import F_TOO_LARGE, MEDIUM_ERRORS, Failure, classify
+from kvtier.tiers.redis.health import F_ERROR, F_TOO_LARGE, MEDIUM_ERRORS, Failure, classify
 from kvtier.tiers.redis.link import RedisLink
 
 _TTL_MEMORY = 65536     # keys whose TTL deadline is remembered (to label misses "expired")
@@ -161,6 +162,13 @@ class RedisTier(TierBase):
                 out.append(Miss(f.miss_reason))
             elif not reply:
                 out.append(self._miss(key))
+            elif not isinstance(reply, bytes):
+                # GETRANGE answers a bulk string; anything else (an integer, an array, a map)
+                # is a peer that is not Redis or not well (a proxy, a look-alike): a miss, never
+                # a TypeError out of the verb nor a list handed on as a chunk.
+                self._link.failures.record(F_ERROR, 1, f"GETRANGE answered a {type(reply).__name__}, "
+                                           "not a string")
+                out.append(Miss(ERROR))
             elif len(reply) > limit:
                 self._link.failures.record(F_TOO_LARGE, 1, f"a value over max_value_bytes={limit} "
                                            "under a chunk key, not read")
