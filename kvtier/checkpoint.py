@@ -108,7 +108,7 @@ def _safetensors(fd: int, h: xxhash.xxh3_128, name: str) -> None:
     h.update(struct.pack("<Q", size) + header)
     try:
         tensors = json.loads(header)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser
         raise OSError(f"{name}: safetensors header is not JSON: {exc}") from exc
     base = 8 + n
     try:

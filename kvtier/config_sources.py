@@ -82,6 +82,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {not_utf8(exc)}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"config file {path}: not valid YAML: nested deeper than the parser goes") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     return data

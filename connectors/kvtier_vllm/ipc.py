@@ -67,7 +67,10 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     (hlen,) = _LEN.unpack(_recv_exact(sock, 4))
     if hlen > MAX_FRAME:
         raise ConnectionError(f"header of {hlen} bytes is over the frame limit")
-    header = json.loads(_recv_exact(sock, hlen))
+    try:
+        header = json.loads(_recv_exact(sock, hlen))
+    except (ValueError, RecursionError) as exc:
+        raise ConnectionError(f"lookup header is not JSON: {exc!r:.200}") from None
     (blen,) = _LEN.unpack(_recv_exact(sock, 4))
     if blen > MAX_FRAME:
         raise ConnectionError(f"blob of {blen} bytes is over the frame limit")

@@ -70,7 +70,10 @@ def parse_http_reply(raw: bytes, stats: bool = True) -> dict[str, Any]:
         raise ValueError("not an HTTP reply")
     if status[1] != b"200":
         raise ValueError(f"HTTP {status[1].decode('ascii', 'replace')}")
-    doc = json.loads(body)
+    try:
+        doc = json.loads(body)
+    except RecursionError:  # a peer's body nested deeper than the parser: not stats either
+        raise ValueError("JSON nested too deep") from None
     if not isinstance(doc, dict) and not stats:
         raise ValueError("not a JSON object")  # noqa: TRY004 - bad peer data, not a caller bug
     if stats and (not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list)):
