@@ -6,7 +6,7 @@ Each request is a list of 512-token block ids, already prefix-chained (see
 ``../shared/traces/README.md``). Traces: the shared trace (``--trace``; the default path is
 ``shared/traces/synthetic_trace.jsonl`` beside the checkout or one of its parents) and, with
 ``--workload``, generated ones (:mod:`bench.workloads`: ``chat``, ``agent``, ``rag``, ``scan``,
-``mix``; ``all`` runs every one of them *and* the shared trace), each over ``--seeds`` seeds
+``mix``, ``rounds``, ``rrchat``, ``docqa``; ``all`` runs every one of them *and* the shared trace), each over ``--seeds`` seeds
 (default 3) and reported as min / median / max over the seeds.
 
 The cache holds blocks (unit size) at 5, 10, 20 and 40% of the trace's distinct blocks. Per

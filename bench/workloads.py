@@ -12,8 +12,10 @@ Request classes (each a function below; its docstring gives its parameters): ``c
 and long-tail documents), one-shot ``scan`` bursts (no reuse at all) and ``rounds`` (passes
 over a fixed corpus, the cyclic reuse ARC-like policies thrash on). Named workloads
 (:data:`WORKLOADS`) are a class on its own, a chat background interrupted by scans
-(``scan``), or all four side by side (``mix``). The generator knows nothing about any policy
-and was written from these descriptions, not fitted to any trace.
+(``scan``), or all four side by side (``mix``); ``rrchat`` (chat served round-robin) and
+``docqa`` (questions over a document corpus) are shapes the default policy once lost on. The
+generator knows nothing about any policy and was written from these descriptions, not fitted
+to any trace.
 
 Pure and deterministic: the same name, seed and scale give the same trace in every process.
 """
@@ -212,6 +214,78 @@ def rounds(rng: random.Random, duration_ms: float, tag: str = "rounds", prompts:
     return out
 
 
+def round_robin_chat(rng: random.Random, duration_ms: float, tag: str = "rrchat",
+                     sessions: int = 400, live: int = 150, requests_per_min: float = 300.0,
+                     system_prompts: int = 4, system_blocks: int = 2,
+                     mean_turns: float = 12.0) -> list[Request]:
+    """Chat served round-robin: ``live`` conversations at a time, each sending its next turn
+    once per round (a batch scheduler cycling over its open sessions), at ``requests_per_min``.
+    A conversation ends after a geometric number of turns (mean ``mean_turns``) and a new one
+    takes its place until ``sessions`` have started. Turns grow as in :func:`chat` (a system
+    prompt among ``system_prompts``, Zipf-popular; answer 0-2 blocks, user message 1-3). Every
+    live prompt comes back after one round: reuse one round apart, like ``rounds``, but each
+    return is one turn longer and the set of prompts drifts as conversations end."""
+    pick_system = _zipf_picker(rng, system_prompts, 1.0)
+    step = MINUTE_MS / requests_per_min
+    started = 0
+
+    def start() -> tuple[list[Hashable], int, int]:
+        nonlocal started
+        started += 1
+        first = rng.randint(4, 16) if rng.random() < 0.2 else rng.randint(1, 4)
+        return ([(tag, "sys", pick_system(), j) for j in range(system_blocks)]
+                + [(tag, started, 0, j) for j in range(first)], started, 0)
+
+    # One slot per live conversation: (its prompt so far, its id, its turn); a finished one
+    # hands its slot to a new conversation, or leaves it empty once ``sessions`` have started.
+    slots = [start() for _ in range(min(live, sessions))]
+    out: list[Request] = []
+    t = 0.0
+    while slots and t < duration_ms:
+        nxt: list[tuple[list[Hashable], int, int]] = []
+        for prompt, sid, turn in slots:
+            if t >= duration_ms:
+                break
+            answer = rng.randint(0, 2)
+            out.append(Request(int(t), tuple(prompt), answer))
+            t += step
+            if rng.random() < 1.0 / mean_turns:
+                if started < sessions:
+                    nxt.append(start())
+                continue
+            prompt += [(tag, sid, turn + 1, "a", j) for j in range(answer)]
+            prompt += [(tag, sid, turn + 1, "u", j) for j in range(rng.randint(1, 3))]
+            nxt.append((prompt, sid, turn + 1))
+        slots = nxt
+    return out
+
+
+def docs_qa(rng: random.Random, duration_ms: float, tag: str = "docqa",
+            requests_per_min: float = 150.0, documents: int = 800,
+            doc_blocks: tuple[int, int] = (2, 16), doc_alpha: float = 0.8,
+            system_blocks: int = 2) -> list[Request]:
+    """Questions over a document corpus: one shared system prompt (``system_blocks``), then
+    one document of ``doc_blocks`` (min, max) blocks drawn from ``documents`` with a Zipf
+    popularity ``doc_alpha`` that does not drift, then a unique 1-2 block question; Poisson
+    arrivals at ``requests_per_min``. Each document is asked many questions, the popular ones
+    far more often: how often, not how recently, predicts the next read (LFU's workload)."""
+    pick_doc = _zipf_picker(rng, documents, doc_alpha)
+    doc_len = [rng.randint(*doc_blocks) for _ in range(documents)]
+    out: list[Request] = []
+    t = 0.0
+    n = 0
+    while True:
+        t += rng.expovariate(requests_per_min / MINUTE_MS)
+        if t >= duration_ms:
+            return out
+        n += 1
+        d = pick_doc()
+        prompt: list[Hashable] = [(tag, "sys", j) for j in range(system_blocks)]
+        prompt += [(tag, "doc", d, j) for j in range(doc_len[d])]
+        prompt += [(tag, "q", n, j) for j in range(rng.randint(1, 2))]
+        out.append(Request(int(t), tuple(prompt), 1))
+
+
 def _distinct(reqs: Sequence[Request]) -> int:
     return len({c for r in reqs for c in r.contents})
 
@@ -240,6 +314,8 @@ WORKLOADS: dict[str, Callable[[random.Random, float], list[Request]]] = {
     "scan": _chat_with_scans,
     "mix": _mix,
     "rounds": lambda rng, d: rounds(rng, d),
+    "rrchat": lambda rng, d: round_robin_chat(rng, d),
+    "docqa": lambda rng, d: docs_qa(rng, d),
 }
 #: Simulated minutes of a workload at ``scale=1`` (about 3-5k requests, 40-120k blocks).
 BASE_MINUTES = 30.0

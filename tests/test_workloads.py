@@ -118,3 +118,34 @@ def test_scan_workload_has_scan_bursts_over_chat() -> None:
     seen: Counter[int] = Counter(b for r in ids for b in r)
     once = sum(1 for c in seen.values() if c == 1)
     assert once > len(seen) // 5, "the scans' blocks (plus chat's last turns) are seen once"
+
+
+def test_round_robin_chat_serves_its_live_conversations_in_turn() -> None:
+    """Every live conversation sends its next turn once per round: between two turns of one
+    conversation, each of the others sends at most one request; each turn extends the last;
+    no more than ``live`` are open at once and ``sessions`` start in all."""
+    reqs = workloads.round_robin_chat(random.Random(0), 60 * workloads.MINUTE_MS, sessions=40, live=10)
+    sid = [r.contents[2][1] for r in reqs]  # (tag, sid, 0, j): the first user block
+    assert len(set(sid)) == 40
+    last: dict[object, int] = {}
+    for i, (s, r) in enumerate(zip(sid, reqs, strict=True)):
+        if s in last:
+            between = sid[last[s] + 1:i]
+            assert len(between) == len(set(between)) < 10, "one turn per round per conversation"
+            before = reqs[last[s]].contents
+            assert r.contents[: len(before)] == before and len(r.contents) > len(before)
+        last[s] = i
+    opened = {s: sid.index(s) for s in set(sid)}
+    closed = {s: i for i, s in enumerate(sid)}
+    assert max(sum(1 for s in opened if opened[s] <= i <= closed[s]) for i in range(len(sid))) <= 10
+
+
+def test_docs_qa_asks_many_questions_of_few_popular_documents() -> None:
+    reqs = workloads.docs_qa(random.Random(0), 10 * workloads.MINUTE_MS)
+    docs = [{c[2] for c in r.contents if c[1] == "doc"} for r in reqs]
+    assert all(len(d) == 1 for d in docs), "one document per request"
+    counts = sorted(Counter(d.pop() for d in docs).values(), reverse=True)
+    assert counts[0] > 10 * counts[len(counts) // 2], "a skewed popularity"
+    assert sum(c for c in counts if c > 1) > len(reqs) // 2, "most questions are about a document asked again"
+    questions = [r.contents[-1] for r in reqs]
+    assert len(set(questions)) == len(questions)
