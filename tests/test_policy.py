@@ -261,7 +261,9 @@ def test_default_beats_lru_on_the_held_out_half_of_the_trace() -> None:
     replay = _load_replay()
     requests = replay.load_trace(TRACE)
     held_out = requests[len(requests) // 2:]
-    for pct, gain in ((5, 1.05), (10, 1.05), (20, 0.99), (40, 0.99)):
+    # 10%: 1.03 since the duel took LFU as its third candidate (1.037 here, 1.068 before; in
+    # exchange +2 to +23 points on round-robin chat and docs-QA: tests/test_policy_dueling.py).
+    for pct, gain in ((5, 1.05), (10, 1.03), (20, 0.99), (40, 0.99)):
         ratio, mine, lru = _vs_lru(replay, held_out, pct)
         assert ratio >= gain, f"{DEFAULT_POLICY} at {pct}%: {mine:.4f} vs lru {lru:.4f}"
 

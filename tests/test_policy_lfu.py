@@ -1,0 +1,51 @@
+"""``lfu`` (kvtier.policies.lfu), the default's third candidate: scripted victim orders worked
+out by hand from its rules (leaf first; fewest reads and inserts first, ties to the oldest
+candidate; counts survive eviction in the ghost). The contract (pins, determinism, any op
+sequence) is checked for every registered policy in tests/test_policy.py."""
+
+from __future__ import annotations
+
+from kvtier.policies import LFUPolicy, LRUPolicy
+from tests.policy_ops import Cache, drain, insert_all, k
+
+
+def test_fewest_uses_go_first_ties_oldest_first() -> None:
+    p = LFUPolicy()
+    insert_all(p, "abcd")
+    p.access(k("a"))
+    p.access(k("a"))
+    p.access(k("c"))
+    # b and d were used once (b is older), c twice, a three times.
+    assert drain(p) == ["b", "d", "c", "a"]
+
+
+def test_a_prefix_is_trimmed_from_its_tail_even_at_equal_counts() -> None:
+    """A chain inserted in one request: every key used once; ties by age would evict the
+    head first and orphan the rest, leaf first takes the tail."""
+    p = LFUPolicy()
+    insert_all(p, "xyz", chain=True)
+    assert drain(p) == ["z", "y", "x"]
+
+
+def test_a_count_survives_eviction_in_the_ghost() -> None:
+    """``h`` is read 3 times, evicted (the only candidate), then inserted again: it resumes
+    at 5 uses and outlives the newer ``n`` (1 use), which LRU or a count reset would not."""
+    p = LFUPolicy()
+    p.insert(k("h"), 1)
+    for _ in range(3):
+        p.access(k("h"))
+    assert p.evict() == k("h")
+    p.insert(k("n"), 1)
+    p.insert(k("h"), 1)
+    assert drain(p) == ["n", "h"]
+
+
+def test_it_keeps_the_often_read_prefixes_of_a_cycle_larger_than_the_cache() -> None:
+    """Four 2-block prompts behind no shared prefix, read in turn, in a 6-block cache, with
+    prompt ``a`` read twice per round: LRU hits ``a`` only on its second read of a round (78
+    blocks in 20 rounds), lfu keeps ``a`` across rounds and a second prompt part of the time."""
+    rounds = [["a1", "a2"], ["b1", "b2"], ["a1", "a2"], ["c1", "c2"], ["d1", "d2"]] * 20
+    lfu, lru = Cache(LFUPolicy(), 6), Cache(LRUPolicy(), 6)
+    got = sum(lfu.request(r) for r in rounds)
+    base = sum(lru.request(r) for r in rounds)
+    assert (got, base) == (97, 78)
