@@ -38,7 +38,7 @@ from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import Limits
 from kvtier.server.servicer import SERVICE, Endpoint, KVTierServicer
 from kvtier.server.storage import Storage
-from kvtier.server.usage import UsageAggregator
+from kvtier.server.usage import MAX_USAGE_TENANTS, UsageAggregator
 from kvtier.server.usage_metrics import EngineUsageCollector
 from kvtier.tiers.redis.conn import parse_url
 
@@ -91,7 +91,11 @@ class KVTierServer:
         self.ports: dict[str, int] = {}
         self.started = time.monotonic()
         self.draining = False
-        self.usage = UsageAggregator(bucket_s=cfg.usage_bucket_s)  # what engines report (ReportUsage), for /api/cluster
+        # What engines report (ReportUsage), for /api/cluster. Every tenant of the tokens file
+        # keeps its own name there: past the cap two tenants' replicas of one name met in one
+        # ("other", model, replica) entry, each report undoing the other's counters.
+        self.usage = UsageAggregator(bucket_s=cfg.usage_bucket_s,
+                                     max_tenants=max(MAX_USAGE_TENANTS, len(self.auth.tenants)))
 
     async def start(self) -> dict[str, int]:
         cfg = self.cfg

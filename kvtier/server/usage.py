@@ -16,7 +16,14 @@ the deltas between consecutive reports, so:
 
 Caps (every name comes from outside): ``max_tenants`` and ``max_models`` distinct names, then
 ``other``; ``max_replicas`` keys, then a stale key is folded into its ``(tenant, model,
-"other")`` entry to make room, or, when none is stale, the newcomer is counted there. The last
+"other")`` entry to make room, or, when none is stale, the newcomer is counted there. Tenants
+share the model and replica caps fairly: a tenant with fewer than ``cap // tenants`` of them
+(tenants that reported so far) still gets its names when the cap is reached -- a new model is
+then kept by name beyond ``max_models`` (a tenant adds at most ``max_models // 2`` past it:
+the names stay bounded by the tenants, which the token file bounds), a new key takes the
+place of the longest-silent key of the tenant holding the most. Without this, one tenant's
+token could fill both caps with invented names (a few hundred reports) and every other
+tenant's engines then showed, for the node's lifetime, as model ``other``. The last
 counters of a key counted in ``other`` (folded, or a newcomer without room) are kept in an LRU
 of ``max_tracked``, so that when it reports again -- into ``other`` or, room made, under its own
 name -- only its delta is added (its earlier figures are already in ``other``). Per key, a
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +52,7 @@ from kvtier.usage.wire import UsageReport
 
 OTHER = "other"
 STALE_INTERVALS = 3
+MAX_USAGE_TENANTS = 64  # tenants kept by name when the caller does not say (UsageAggregator)
 Key = tuple[str, str, str, str]  # tenant, model, replica, source
 # Labels a labelled counter may carry beyond the MAX_LABELS cap: the ones the server reads.
 _KNOWN_LABELS = {"restore_seconds_bucket": frozenset(BUCKET_LABELS),
@@ -89,7 +97,7 @@ def fold_counters(totals: dict[str, float], delta: Mapping[str, float]) -> None:
 
 
 class UsageAggregator:
-    def __init__(self, *, max_replicas: int = 256, max_models: int = 32, max_tenants: int = 64,
+    def __init__(self, *, max_replicas: int = 256, max_models: int = 32, max_tenants: int = MAX_USAGE_TENANTS,
                  max_tracked: int = 4096, bucket_s: float = 10.0, buckets: int = 90,
                  clock: Callable[[], float] = time.time) -> None:
         self.max_replicas, self.max_models, self.max_tenants = max_replicas, max_models, max_tenants
@@ -99,6 +107,7 @@ class UsageAggregator:
         self._states: dict[Key, ReplicaState] = {}
         self._overflow_last: OrderedDict[Key, tuple[float, dict[str, float]]] = OrderedDict()
         self._models: set[str] = set()
+        self._models_named: dict[str, int] = {}  # per tenant: model names it added to _models
         self._tenants: set[str] = set()
         self.reports = 0
         self.capped = 0  # reports counted under an "other" name
@@ -109,10 +118,10 @@ class UsageAggregator:
         with self._lock:
             self.reports += 1
             tenant = self._capped_name(self._tenants, tenant, self.max_tenants)
-            model = self._capped_name(self._models, report.model, self.max_models)
+            model = self._model_name(tenant, report.model)
             key: Key = (tenant, model, report.replica, report.source)
             state = self._states.get(key)
-            if state is None and key[2] != OTHER and not self._make_room():
+            if state is None and key[2] != OTHER and not self._make_room(tenant):
                 self._apply_overflow(key, report, now)
                 return
             prev: dict[str, float] | None = state.last if state is not None and state.reports else None
@@ -167,15 +176,35 @@ class UsageAggregator:
         seen.add(name)
         return name
 
-    def _make_room(self) -> bool:
-        """True when one more key fits, folding the longest-silent stale key into its
-        ``other`` entry if that is what it takes."""
-        if sum(1 for k in self._states if k[2] != OTHER) < self.max_replicas:
+    def _model_name(self, tenant: str, model: str) -> str:
+        """``model``, or ``other`` past the cap; a tenant below its fair share of the cap
+        (``max_models // tenants``) adds its name even past it (see the module docstring)."""
+        if model in self._models:
+            return model
+        named = self._models_named.get(tenant, 0)
+        tenants = len(self._tenants | {tenant})  # "other" (tenants past their cap) counts as one
+        if len(self._models) >= self.max_models and named >= self.max_models // tenants:
+            self.capped += 1
+            return OTHER
+        self._models.add(model)
+        self._models_named[tenant] = named + 1
+        return model
+
+    def _make_room(self, tenant: str) -> bool:
+        """True when one more key of ``tenant`` fits, folding the longest-silent stale key
+        into its ``other`` entry if that is what it takes, else, when ``tenant`` holds fewer
+        keys than its fair share (``max_replicas // tenants holding keys``), the
+        longest-silent key of the tenant holding the most."""
+        held = Counter(k[0] for k in self._states if k[2] != OTHER)
+        if sum(held.values()) < self.max_replicas:
             return True
         now = self.clock()
         stale = [s for k, s in self._states.items() if k[2] != OTHER and self._is_stale(s, now)]
         if not stale:
-            return False
+            if held[tenant] >= self.max_replicas // len(held.keys() | {tenant}):
+                return False
+            biggest = max(held, key=lambda t: (held[t], t))
+            stale = [s for k, s in self._states.items() if k[2] != OTHER and k[0] == biggest]
         victim = min(stale, key=lambda s: s.last_seen)
         victim_key: Key = (victim.tenant, victim.model, victim.replica, victim.source)
         del self._states[victim_key]
