@@ -49,3 +49,19 @@ def test_it_keeps_the_often_read_prefixes_of_a_cycle_larger_than_the_cache() -> 
     got = sum(lfu.request(r) for r in rounds)
     base = sum(lru.request(r) for r in rounds)
     assert (got, base) == (97, 78)
+
+
+def test_an_eviction_that_rebuilds_the_heap_still_takes_the_least_used() -> None:
+    """A re-queue inside ``evict`` may rebuild the heap (stale entries of removed keys pile up
+    without evictions): the loop kept popping the old list and returned the most-read key."""
+    p = LFUPolicy()
+    keys = [b"k%04d" % i for i in range(1000)]
+    for key in keys:
+        p.insert(key, 1)
+    for key in keys[1:400]:
+        p.access(key)
+    for _ in range(10):
+        p.access(keys[0])
+    for key in keys[400:]:
+        p.remove(key)  # 600 stale heap entries: the next re-queue rebuilds it
+    assert p.evict() == keys[1]  # count 2, the oldest such; keys[0] has 11

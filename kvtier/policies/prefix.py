@@ -163,9 +163,10 @@ class PrefixPolicy(LeafTree):
             ghost.popitem(last=False)
 
     def evict(self) -> bytes:
-        heap, nodes = self._heap, self._nodes
-        while heap:
-            _, seq, key = heapq.heappop(heap)
+        nodes = self._nodes
+        # self._heap each time round: a re-queue below may rebuild it into a new list.
+        while self._heap:
+            _, seq, key = heapq.heappop(self._heap)
             node = nodes.get(key)
             if node is None or node.seq != seq:
                 continue  # stale entry
