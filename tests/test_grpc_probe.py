@@ -7,8 +7,10 @@ a node that stopped answering is not asked again while its calls wait."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -201,10 +203,11 @@ def test_a_call_given_too_little_time_does_not_mark_a_hung_node_down(fleet: list
 
 
 def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[ServerProc]) -> None:
-    """R=1, a node SIGSTOPped: until its first call times out and marks it down, the node is
-    "stalled" (calls unanswered for a quarter of ``timeout_s``). A probe or read that comes
-    then gets a ``timeout`` miss at once instead of one more thread held for the whole
-    deadline, and a probe already waiting for it on the pool stops waiting when it stalls."""
+    """R=1, a node SIGSTOPped under concurrent probes: until its first call times out and
+    marks it down, the node is "stalled" (two or more lookups unanswered for a quarter of
+    ``timeout_s``). Probes waiting for it on the pool stop waiting then, and a probe or read
+    that comes later gets a ``timeout`` miss at once instead of one more thread held for the
+    whole deadline (each waited the 2 s)."""
     timeout = 2.0
     hung = fleet[2]
     tier = _tier(fleet, timeout_s=timeout, backoff_s=30, backoff_max_s=30)
@@ -213,12 +216,13 @@ def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[Serv
         assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 8
         assert tier.probe(keys).hits == 8
         hung.hang()
-        start = time.monotonic()
-        first = tier.probe(keys)  # its first wave waits on the pool for the hung node's answer
-        took = time.monotonic() - start
-        assert (first.hits, first.reason) == (1, TIMEOUT)
-        assert took < timeout * 0.6, took  # stopped when the node stalled (it waited 2 s)
-        assert tier.nodes_down() == []  # that call is still in flight: nothing timed out yet
+        with ThreadPoolExecutor(2) as callers:  # two engines' lookups: each waits on the pool
+            start = time.monotonic()
+            firsts = [f.result() for f in [callers.submit(tier.probe, keys) for _ in range(2)]]
+            took = time.monotonic() - start
+        assert all((p.hits, p.reason) == (1, TIMEOUT) for p in firsts), firsts
+        assert took < timeout * 0.6, took  # stopped when the node stalled
+        assert tier.nodes_down() == []  # their calls are still in flight: nothing timed out yet
         assert tier.nodes[[n.address for n in tier.nodes].index(hung.address)].stalled
         start = time.monotonic()
         again = tier.probe(keys)
@@ -229,7 +233,32 @@ def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[Serv
         end = time.monotonic() + timeout + 10
         while hung.address not in tier.nodes_down() and time.monotonic() < end:
             time.sleep(0.05)
-        assert tier.nodes_down() == [hung.address]  # by the first call's own timeout
+        assert tier.nodes_down() == [hung.address]  # by the first calls' own timeouts
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+        tier.close()
+
+
+def test_one_slow_lookup_is_waited_for(fleet: list[ServerProc]) -> None:
+    """A node that pauses (SIGSTOP, then SIGCONT 0.7 s later: a GC pause, a loaded disk)
+    while one probe alone waits for it is not given up on: the probe gets every key once it
+    answers, inside the deadline (the first stall rule gave up on its own call at 0.5 s)."""
+    timeout = 2.0
+    hung = fleet[2]
+    tier = _tier(fleet, timeout_s=timeout, backoff_s=30, backoff_max_s=30)
+    try:
+        keys = _with_a_healthy_first_key(tier, hung.address, 8, seed=400)
+        assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 8
+        assert tier.probe(keys).hits == 8
+        hung.hang()
+        resume = threading.Timer(0.7, hung.proc.send_signal, (signal.SIGCONT,))
+        resume.start()
+        start = time.monotonic()
+        probe = tier.probe(keys)
+        took = time.monotonic() - start
+        resume.join()
+        assert probe.hits == 8 and 0.6 < took < timeout, (probe, took)
+        assert tier.nodes_down() == []
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         tier.close()

@@ -55,6 +55,8 @@ _ATTACH_MIN_S = 0.05  # ...but at least this (a TLS or shm handshake on a short 
 _FAIR_SHARE = 0.5  # of timeout_s: a call given less that times out does not mark the node down
 _STALL_SHARE = 0.25  # of timeout_s: calls unanswered this long make the node "stalled"
 _STALL_MIN_S = 0.05  # ...but at least this
+_STALL_USUAL = 4.0  # ...and this many times the node's usual lookup time
+_QUICK_WEIGHT = 0.2  # of each answered lookup's time in that usual time
 
 
 class NodeClient:
@@ -79,6 +81,7 @@ class NodeClient:
         self.inflight = 0  # calls between use() and its end
         self._quick_inflight = 0  # quick calls (lookups) between use() and their end
         self._owed_since = 0.0  # since when those calls wait for an answer (stalled)
+        self._quick_s = 0.0  # the node's usual quick-call latency (moving average of answers)
         self.last_used = time.monotonic()
         self.opened = 0  # times the channel was opened (tests and stats)
         self.retired = False  # removed from the cluster: never opened again
@@ -114,6 +117,9 @@ class NodeClient:
                         self.fetch_info(deadline, attach_share=True)
             yield self
             answered = True
+            if quick:
+                with self._lock:
+                    self._quick_s += (time.monotonic() - start - self._quick_s) * _QUICK_WEIGHT
         except NodeError as exc:
             # A refusal is an answer; a timeout or a lost connection is not.
             answered = not exc.down and exc.reason not in (TIMEOUT, NODE_DOWN)
@@ -192,16 +198,18 @@ class NodeClient:
 
     @property
     def stalled(self) -> bool:
-        """Quick calls (lookups) in flight and no call answered for ``_STALL_SHARE`` x
-        ``timeout_s``: a hung node before its first call times out and marks it down. Lookups
-        and reads send it no more calls meanwhile (a replica or a ``timeout`` miss, not a
-        thread held till the deadline). Bulk calls alone never make it stalled: a big PUT on
-        a slow link may take that long."""
+        """Two or more quick calls (lookups) in flight and no call answered for ``_STALL_SHARE``
+        x ``timeout_s`` (and for ``_STALL_USUAL`` x the node's usual lookup time): a hung node
+        before its first call times out and marks it down. Lookups and reads send it no more
+        calls meanwhile (a replica or a ``timeout`` miss, not a thread held till the deadline).
+        One lookup alone never makes it stalled (a node slow to answer it, a pause: its caller
+        waits, as it would for any slow node), nor do bulk calls (a big PUT on a slow link)."""
         with self._lock:
-            if self._quick_inflight == 0:
+            if self._quick_inflight < 2:
                 return False
             owed = time.monotonic() - self._owed_since
-        return owed > max(self.cfg.timeout_s * _STALL_SHARE, _STALL_MIN_S)
+            usual = self._quick_s
+        return owed > max(self.cfg.timeout_s * _STALL_SHARE, usual * _STALL_USUAL, _STALL_MIN_S)
 
     def mark_up(self) -> None:
         with self._lock:
