@@ -105,7 +105,7 @@ def test_worker_saves_and_restores_exactly_on_the_simulated_device(tmp_path: Pat
         stats = worker.stats.take()
         assert stats is not None
         pageable = 2 if restore_pool == "exhausted" else 0
-        assert stats.data["load_pageable_chunks"] == pageable
+        assert stats.reduce()["load_pageable_chunks"] == pageable
         assert (sim.pageable_copies > 0) == bool(pageable)
         assert worker.restore_bufs.pool.free == worker.restore_bufs.pool.slots  # all slots back
     finally:
@@ -134,7 +134,7 @@ def test_a_full_staging_pool_saves_the_leading_chunks_and_counts_the_rest(tmp_pa
             time.sleep(0.01)
         assert worker.pool.free == 1
         stats = worker.stats.take()
-        assert stats is not None and stats.data["save_dropped"] == 1 and stats.data["save_chunks"] == 1
+        assert stats is not None and stats.reduce()["save_dropped"] == 1 and stats.reduce()["save_chunks"] == 1
         assert worker.store.tiers[0].usage().entries == 1
         assert sched.get_num_new_matched_tokens(_req("r2", tokens + [9]), 0)[0] == C
     finally:
@@ -167,7 +167,7 @@ def test_a_failing_capture_never_reaches_the_engine(tmp_path: Path) -> None:
             time.sleep(0.01)
         assert worker.pool.free == worker.pool.slots  # the slots came back
         stats = worker.stats.take()
-        assert stats is not None and stats.data["failures_by_reason"] == {"save_error": 1}
+        assert stats is not None and {k: v for k, v in stats.reduce().items() if k.startswith("failures_by_reason")} == {"failures_by_reason[save_error]": 1}
         assert worker.store.tiers[0].usage().entries == 0
     finally:
         worker.shutdown()

@@ -54,7 +54,7 @@ def test_shed_evicts_in_policy_order_and_returns_bytes_freed() -> None:
     assert tier.shed(100_000) == 120_000  # whole chunks until >= 100_000: 2 and 3 (1 is pinned)
     assert seen == [_key(2), _key(3)]
     assert tier.get([_key(2)]) == [Miss(EVICTED)] and tier.get([_key(0)]) == [_chunk(0)]
-    assert tier.usage().used_bytes == 4 * 60_000 and tier.usage().evictions == 2
+    assert tier.usage().chunk_bytes == 4 * 60_000 == tier.used_bytes and tier.usage().evictions == 2
     assert tier.shed(10 * MiB) == 3 * 60_000  # everything but the pinned chunk
     assert tier.usage().entries == 1 and tier.shed(1) == 0
     assert tier.check() == []

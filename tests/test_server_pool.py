@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -72,9 +73,13 @@ def test_busy_tenant_uses_idle_capacity_and_quiet_share_survives(tmp_path: Path)
 
 
 def ram_used(server: ServerProc) -> dict[str, int]:
+    """Each tenant's RAM chunk bytes, what the RAM budget counts (/metrics: /api/stats's
+    used_bytes counts whole slots, what each tenant's own tier counts)."""
     with urllib.request.urlopen(server.http + "/api/stats", timeout=10) as r:
-        doc = json.loads(r.read())
-    return {t["tenant"]: next(x["used_bytes"] for x in t["tiers"] if x["name"] == "cpu") for t in doc["tenants"]}
+        tenants = [t["tenant"] for t in json.loads(r.read())["tenants"]]
+    found = dict(re.findall(r'^kvtier_server_tier_chunk_bytes\{tenant="([^"]+)",tier="cpu"\} (\S+)$',
+                            server.metrics(), re.M))
+    return {t: int(float(found[t])) for t in tenants}
 
 
 def rss(server: ServerProc) -> int:
@@ -160,12 +165,12 @@ def test_promotions_from_disk_make_room_in_the_ram_pool(tmp_path: Path) -> None:
     assert busy.ram is not None and quiet.ram is not None
 
     def ram_total() -> int:
-        return sum(s.ram.usage().used_bytes for s in (busy, quiet) if s.ram is not None)
+        return sum(s.ram.usage().chunk_bytes for s in (busy, quiet) if s.ram is not None)
 
     try:
         busy_keys = make_keys(50, seed=1)  # ~2.9 MiB: beyond its RAM share, within the budget
         assert busy.put([Entry(k, make_chunk(k, CHUNK, seed=1)) for k in busy_keys]) == [True] * 50
-        assert busy.ram.usage().used_bytes > 2.5 * MiB  # idle RAM is used
+        assert busy.ram.usage().chunk_bytes > 2.5 * MiB  # idle RAM is used
         quiet_keys = make_keys(24, seed=2)  # ~1.4 MiB: within its share; busy gives way
         assert quiet.put([Entry(k, make_chunk(k, CHUNK, seed=2)) for k in quiet_keys]) == [True] * 24
         flood = make_keys(200, seed=3)  # ~11 MiB: RAM keeps only the newest of it
@@ -223,7 +228,7 @@ def test_many_tenants_share_one_ram_budget_through_both_put_paths() -> None:
                     assert store.commit(res, Entry(key, res.view))
                 else:
                     assert store.put([Entry(key, data)]) == [True]
-                tiers_used = sum(s.ram.usage().used_bytes for s in stores if s.ram is not None)
+                tiers_used = sum(s.ram.usage().chunk_bytes for s in stores if s.ram is not None)
                 assert pool.used() == tiers_used
                 assert tiers_used <= budget + chunk, (i, j, tiers_used)
         assert 0 < reserved < n * per // 2  # taken while there was room, refused once full

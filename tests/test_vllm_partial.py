@@ -177,7 +177,7 @@ def test_second_request_restores_the_block_aligned_prefix(tmp_path: Path, chunk:
                 assert torch.equal(t[ids[:n]], t[ids1[:n]]), (rid, name)
             sched.request_finished(req)
         stats = worker.take_stats()
-        saved = stats.data["partial_save_chunks"] if stats is not None else 0
+        saved = stats.reduce()["partial_save_chunks"] if stats is not None else 0
         assert saved == (1 if aligned % chunk else 0)
     finally:
         worker.shutdown()

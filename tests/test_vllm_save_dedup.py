@@ -77,7 +77,7 @@ def _new(sched: Any, reqs: Sequence[tuple[Any, list[int]]]) -> Any:
 
 def _deduped(worker: Any) -> int:
     stats = worker.take_stats()
-    return int(stats.data.get("save_deduped_chunks", 0)) if stats is not None else 0
+    return int(stats.reduce().get("save_deduped_chunks", 0)) if stats is not None else 0
 
 
 def test_requests_sharing_a_prefix_in_one_step_capture_each_chunk_once(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_a_dropped_write_releases_its_chunks_for_a_later_request(tmp_path: Path)
                 time.sleep(0.01)
         # The saver waits on r1's fence, r2's job fills the queue: r3's job was dropped.
         stats = worker.take_stats()
-        assert stats is not None and stats.data["save_dropped"] == 1
+        assert stats is not None and stats.reduce()["save_dropped"] == 1
         gate.set()
         _wait_saved(worker, 2)
         end = time.monotonic() + 10

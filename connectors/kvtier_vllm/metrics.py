@@ -45,3 +45,9 @@ class ConnectorMetrics:
         self.save_dropped = Counter(
             "kvtier_connector_dropped_save_jobs_total", "Save jobs dropped because the queue was full",
             registry=r)
+
+    def declare_tiers(self, tiers: tuple[str, ...]) -> None:
+        """Create the per-tier series at 0 once the store's tiers are known: a counter's first
+        sample is invisible to ``rate()``, so a series born at its first restore would hide it."""
+        for name in tiers:
+            self.load_tokens.labels(name)

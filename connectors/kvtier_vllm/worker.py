@@ -68,7 +68,7 @@ class WorkerSide:
     def __init__(self, cfg: KVTierConfig, settings: VllmSettings, info: EngineInfo) -> None:
         self.cfg, self.settings, self.info = cfg, settings, info
         self.chunk = cfg.chunk_tokens
-        self.stats = StatsCollector()
+        self.stats = StatsCollector(rank=info.rank)  # per-rank figures: see stats.py
         self.enabled = False
         # Per tenant salt, most recent last; bounded, since cache_salt may be per user or per
         # conversation (a PrefixCache is cheap to make again; it holds no chunk state).
@@ -109,6 +109,7 @@ class WorkerSide:
         pin = background_pinner()
         with on_spare_cpus(pin):
             self.store = TieredStore.from_config(self.cfg, self.metrics)
+        self.cmetrics.declare_tiers(tuple(t.name for t in self.store.tiers))
         self.copier: Copier = make_copier(first.device, pin)
         pin_existing("kvtier", pin)  # and name the store's Python threads for top -H
         if info.kv_events and info.rank == 0:

@@ -235,8 +235,8 @@ def _tenant_dict(store: Any) -> dict[str, Any]:
 def _usage_dict(u: Any) -> dict[str, Any]:
     return {"tenant": u.tenant, "used_bytes": u.used_bytes, "quota_bytes": u.quota_bytes,
             "entries": u.entries, "evictions": u.evictions,
-            "tiers": [{"name": t.name, "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
-                       "entries": t.entries} for t in u.tiers]}
+            "tiers": [{"name": t.name, "used_bytes": t.used_bytes, "chunk_bytes": t.chunk_bytes,
+                       "capacity_bytes": t.capacity_bytes, "entries": t.entries} for t in u.tiers]}
 
 
 async def serve(cfg: ServerConfig) -> int:

@@ -5,6 +5,12 @@ read from the storage at scrape time by a collector, so it is never stale and co
 between scrapes. Names follow ``kvtier_<subsystem>_<what>_<unit>`` (docs/metrics.md). The
 ``tenant`` label is capped (:mod:`kvtier.labelcap`, ``metrics_label_values`` in the server
 config): tenants past the first N admitted are summed into ``tenant="other"``.
+
+Every series whose label values are known up front is exposed from the first scrape, at 0:
+a counter's first sample is invisible to ``rate()``, so a series born at its first hit
+would hide those hits from every rate panel. Per tenant label that is its tiers x ops for
+``kvtier_server_hit_chunks_total`` and the miss reasons (:data:`kvtier.metrics.MISS_REASONS`)
+x ops for ``kvtier_server_miss_chunks_total``: bounded, since tenant labels are capped.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtier.labelcap import DEFAULT_LIMIT, LabelCap
-from kvtier.metrics import LATENCY_BUCKETS
+from kvtier.metrics import LATENCY_BUCKETS, MISS_REASONS
+from kvtier.server.lower import LoweredStore
 from kvtier.server.storage import Storage
 
 
@@ -28,6 +35,7 @@ class _StorageCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         # Sums per capped label set: two tenants folded into "other" must yield one sample.
         used: dict[tuple[str, ...], float] = {}
+        chunk_bytes: dict[tuple[str, ...], float] = {}
         cap: dict[tuple[str, ...], float] = {}
         entries: dict[tuple[str, ...], float] = {}
         evictions: dict[tuple[str, ...], float] = {}
@@ -41,18 +49,32 @@ class _StorageCollector(Collector):
             tenant = self.tenant_label(name)
             for usage in store.usage().tiers:
                 add(used, (tenant, usage.name), usage.used_bytes)
+                add(chunk_bytes, (tenant, usage.name), usage.chunk_bytes)
                 add(cap, (tenant, usage.name), usage.capacity_bytes)
                 add(entries, (tenant, usage.name), usage.entries)
                 add(evictions, (tenant, usage.name), usage.evictions)
             traffic = store.traffic.snapshot()
+            # The node's tiers, and a Redis tier below them (kvtier.server.lower) that serves hits too.
+            served_by = [t.name for t in store.tiers]
+            if isinstance(store, LoweredStore):
+                served_by.append(store.lower.name)
             for op in ("lookup", "get"):
+                for tier in served_by:  # declared at 0 (module docstring)
+                    add(hits, (tenant, tier, op), 0)
+                for reason in MISS_REASONS:
+                    add(misses, (tenant, reason, op), 0)
                 for tier, n in traffic[op]["hit_chunks"].items():
                     add(hits, (tenant, tier, op), n)
                 for reason, n in traffic[op]["miss_chunks"].items():
                     add(misses, (tenant, reason, op), n)
         families: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, list[str],
                              dict[tuple[str, ...], float]]] = [
-            (GaugeMetricFamily, "kvtier_server_tier_used_bytes", "Chunk bytes held", ["tenant", "tier"], used),
+            (GaugeMetricFamily, "kvtier_server_tier_used_bytes", "Bytes of the tier's capacity the chunks "
+             "held take (RAM: whole slots), so used / capacity reaches 1 when a put must evict",
+             ["tenant", "tier"], used),
+            (GaugeMetricFamily, "kvtier_server_tier_chunk_bytes", "Bytes of the chunks held (RAM: what "
+             "the node's RAM budget counts; less than used_bytes when chunks do not fill their slots)",
+             ["tenant", "tier"], chunk_bytes),
             (GaugeMetricFamily, "kvtier_server_tier_capacity_bytes",
              "Bytes a tenant may hold in a tier (its quota in the bottom tier)", ["tenant", "tier"], cap),
             (GaugeMetricFamily, "kvtier_server_tier_entries", "Chunks held", ["tenant", "tier"], entries),

@@ -95,15 +95,27 @@ class FilledEntry:
 
 @dataclass(frozen=True)
 class TierUsage:
-    """A tier's footprint. ``evictions`` counts the chunks the tier itself evicted to stay
-    within its capacity since it was built (0 for tiers whose bound lives in another process:
-    redis, remote)."""
+    """A tier's footprint.
+
+    ``used_bytes`` is the part of ``capacity_bytes`` the chunks held take, counted the way the
+    tier bounds itself, so ``used_bytes / capacity_bytes`` reaches 1 exactly when the next
+    put of a new chunk must evict: the cpu tier counts whole slots (a 100 KB chunk in a 1 MiB
+    slot takes 1 MiB of its capacity), memory and disk their chunk (disk: file) bytes.
+    ``chunk_bytes`` is the bytes of the chunks themselves (equal to ``used_bytes`` where the
+    tier counts those; built without it, it is set to ``used_bytes``). ``evictions`` counts
+    the chunks the tier itself evicted to stay within its capacity since it was built (0 for
+    tiers whose bound lives in another process: redis, remote)."""
 
     name: str
     used_bytes: int
     capacity_bytes: int
     entries: int
     evictions: int = 0
+    chunk_bytes: int = -1  # -1: the same as used_bytes (set by __post_init__)
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 0:  # why a sentinel: tiers that count chunk bytes need not repeat them
+            object.__setattr__(self, "chunk_bytes", self.used_bytes)
 
 
 EvictListener = Callable[[bytes, bytes], None]

@@ -6,9 +6,10 @@ only copies: ``put`` copies the caller's bytes into a free slot, ``get_into`` co
 into the caller's buffer. ``get`` allocates the returned ``bytes`` (a convenience path).
 
 Capacity is ``capacity_bytes // slot_bytes`` slots; a chunk larger than one slot is refused
-(``put`` -> False). ``usage().used_bytes`` counts the chunk bytes held, while fullness is
-decided by slots (a slot holds one chunk whatever its length), so size ``slot_bytes`` to the
-largest chunk the engine writes.
+(``put`` -> False). A slot holds one chunk whatever its length, so ``usage().used_bytes``
+counts whole slots: it reaches ``capacity_bytes`` exactly when a put must evict.
+``usage().chunk_bytes`` (and the lock-free ``used_bytes``) counts the chunk bytes. Size
+``slot_bytes`` to the largest chunk the engine writes: a smaller chunk wastes its slot's rest.
 
 Spare slots (``spare_slots``, kvtier-server)
     Slots beyond the capacity, only ever held by a put in flight: a full tier can still hand a
@@ -49,7 +50,7 @@ from kvtier.config import CpuTierConfig
 from kvtier.memcopy import copy_into
 from kvtier.policies import NothingToEvict, make_policy
 from kvtier.tiers.arena_pages import remove_pages
-from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, check_keys, leading_run
+from kvtier.tiers.base import BoundedTier, Entry, Miss, Probe, TierUsage, check_keys, leading_run
 from kvtier.tiers.cpu_access import ArenaAccess, Reservation
 from kvtier.tiers.cpu_arena import allocate_arena
 from kvtier.tiers.cpu_warm import WarmSlots
@@ -348,6 +349,20 @@ class CpuTier(ArenaAccess, WarmSlots, BoundedTier):
 
     def _entries(self) -> int:
         return len(self._map)
+
+    def usage(self) -> TierUsage:
+        """``used_bytes``: the slots held, whole (see the module docstring); ``chunk_bytes``:
+        the chunk bytes in them."""
+        with self._lock:
+            held = len(self._map)
+            return TierUsage(self.name, held * self.slot_bytes, self.capacity_bytes, held,
+                             self._evictions, chunk_bytes=self._used)
+
+    @property
+    def used_bytes(self) -> int:
+        """``usage().chunk_bytes`` without the lock (a snapshot): what kvtier-server's RAM pool
+        budgets, as a lazy arena's resident memory follows chunk bytes, not slots."""
+        return self._used
 
     def check(self, idle: bool = False) -> list[str]:
         """The invariants; ``idle``: the caller knows no put is in flight (every connection
