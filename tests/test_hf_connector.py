@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -317,13 +318,17 @@ def test_restored_kv_lands_on_each_layer_own_device(model: torch.nn.Module, stor
     """A model split over devices (``device_map``) attends layer i where its weights are, and
     the cache's next update concatenates onto the restored K/V there: each layer's K/V go to
     its attention's device (they all went to the first parameter's, and transformers then
-    failed on mixed devices). Here one layer's attention sits on ``meta``: the only second
-    device a CPU machine has."""
+    failed on mixed devices). Under accelerate, a layer runs on its hook's
+    ``execution_device`` and an offloaded one keeps its weights on ``meta``: never a place
+    for K/V. A CPU machine has one real device, so the device a hook names here is ``meta``
+    (what only the hook can have said), and the offloaded layer without a hook must land on
+    the model's device, not on ``meta``."""
     ids = _prompt(70)
     cache, _ = _full_forward(model, ids)
     assert _hf(model, store).save(ids, cache) == 5
     split = build_random_llama(TEST_SPEC)
-    split.model.layers[1].self_attn.to("meta")
+    split.model.layers[0].self_attn.to("meta")  # weights offloaded, no hook: the model's device
+    split.model.layers[1]._hf_hook = types.SimpleNamespace(execution_device="meta")  # accelerate's
     hf = KVTierHF(split, PrefixCache(store, namespace_for(model, CHUNK)))
     got = hf.restore_prefix(ids)
     assert got.tokens == 69

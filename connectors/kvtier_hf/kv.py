@@ -74,15 +74,29 @@ def kv_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
     """The device of each layer's attention (its K/V must live there): a model split over
     GPUs with ``device_map`` runs layer i where its weights are, and the cache's next update
     concatenates onto restored K/V on that device. transformers' attention modules carry
-    ``layer_idx``; a layer none names gets the first parameter's device."""
+    ``layer_idx``. A module under an accelerate hook runs on the hook's ``execution_device``
+    (an offloaded layer keeps its weights on ``meta`` between forwards); a layer none names,
+    or whose weights are on ``meta`` with no hook, gets the first parameter's device."""
     first = next(model.parameters()).device
     out = [first] * num_layers
-    for module in model.modules():
+    hooked: dict[str, torch.device] = {}
+    for name, module in model.named_modules():
+        dev = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if dev is not None:
+            hooked[name] = torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
+    for name, module in model.named_modules():
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and 0 <= idx < num_layers:
-            param = next(module.parameters(recurse=True), None)
-            if param is not None:
-                out[idx] = param.device
+        if not isinstance(idx, int) or not 0 <= idx < num_layers:
+            continue
+        owner = name
+        while owner not in hooked and owner:
+            owner = owner.rpartition(".")[0]
+        if owner in hooked:
+            out[idx] = hooked[owner]
+            continue
+        param = next(module.parameters(recurse=True), None)
+        if param is not None and param.device.type != "meta":
+            out[idx] = param.device
     return out
 
 
