@@ -13,9 +13,8 @@
   cascades a chunk when tier i evicts it. A delete also cancels queued writes of its keys.
 
 Threads: every public method may be called from any thread. ``close`` flushes the queue.
-Failure: tiers never raise for medium failures (see tiers/base.py), so neither does the store;
-a tier that raises anyway costs the write-behind its batch (logged, counted `error`), never the thread.
-Listeners (:meth:`TieredStore.listen`) learn which tier took or lost which chunk (KV events).
+Failure: tiers never raise for medium failures (tiers/base.py), so neither does the store; a tier
+that raises anyway costs the write-behind its batch (logged, counted `error`), never the thread.
 """
 
 from __future__ import annotations

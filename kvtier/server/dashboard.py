@@ -88,7 +88,7 @@ async def fetch_stats(address: str, timeout: float = PEER_TIMEOUT_S) -> PeerRepl
     try:
         doc = await asyncio.wait_for(_get(address, "/api/stats"), timeout)
     except asyncio.TimeoutError:
-        error = f"no reply within {timeout:.2g}s"
+        error = f"no reply within {timeout:.3g}s"
     except ConnectionRefusedError:
         error = "connection refused"
     except OSError as exc:  # asyncio's connect errors carry the text in strerror, not errno's

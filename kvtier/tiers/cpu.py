@@ -6,10 +6,9 @@ only copies: ``put`` copies the caller's bytes into a free slot, ``get_into`` co
 into the caller's buffer. ``get`` allocates the returned ``bytes`` (a convenience path).
 
 Capacity is ``capacity_bytes // slot_bytes`` slots; a chunk larger than one slot is refused
-(``put`` -> False). A slot holds one chunk whatever its length, so ``usage().used_bytes``
-counts whole slots: it reaches ``capacity_bytes`` exactly when a put must evict.
-``usage().chunk_bytes`` (and the lock-free ``used_bytes``) counts the chunk bytes. Size
-``slot_bytes`` to the largest chunk the engine writes: a smaller chunk wastes its slot's rest.
+(``put`` -> False). A slot holds one chunk whatever its length: ``usage().used_bytes`` counts
+whole slots (``capacity_bytes`` exactly when a put must evict), ``usage().chunk_bytes`` and the
+lock-free ``used_bytes`` chunk bytes. Size ``slot_bytes`` to the engine's largest chunk.
 
 Spare slots (``spare_slots``, kvtier-server)
     Slots beyond the capacity, only ever held by a put in flight: a full tier can still hand a

@@ -20,8 +20,9 @@ time left before every frame, so a blocking ``MSG_WAITALL`` read still ends in t
 Lookups: ``lookup`` asks a node that names LOOKUP in its WELCOME on a connection free now
 (never waiting behind chunk transfers); otherwise it returns None and the caller uses gRPC.
 
-This module holds the verbs (batching, retry on a stale pooled connection, errors mapped to :class:`~kvtier.tiers.remote.node.NodeError`); one connection's framing,
-deadlines and shared segment are :class:`~kvtier.tiers.remote.data_conn.DataConn`.
+This module holds the verbs (batching, retry on a stale pooled connection, errors mapped to
+:class:`~kvtier.tiers.remote.node.NodeError`); one connection's framing, deadlines and shared
+segment are :class:`~kvtier.tiers.remote.data_conn.DataConn`.
 """
 
 from __future__ import annotations
@@ -256,6 +257,7 @@ class SocketDataPath(DataConnPool):
             else:
                 data = e.materialize().data if isinstance(e, FilledEntry) else e.data
                 send_all(conn.sock, encode_put(e.key, memoryview(data).cast("B"), e.depth, e.parent, i < last))
+
 
 class _Stale(Exception):
     """A connection from the idle pool turned out closed by the peer."""

@@ -162,7 +162,6 @@ class DataConnPool:
         for conn in idle:
             conn.close()
 
-
     def drop_idle(self) -> None:
         """Close every idle connection (the peer closed them: a restart, or its idle timeout)."""
         with self._lock:
