@@ -198,9 +198,10 @@ def test_old_server_without_lookup_gets_grpc_lookups(server: ServerProc) -> None
         assert alice.put([Entry(k, make_chunk(k, 1000, i), i) for i, k in enumerate(keys[:2])],
                          deadline()) == [True, True]
         assert alice.data is not None
-        alice.data.close()
-        alice.data = SocketDataPath("127.0.0.1", old.port, ALICE, None, "127.0.0.1", LIMITS, 2)
-        alice.data.handshake(deadline())
+        old_path = SocketDataPath("127.0.0.1", old.port, ALICE, None, "127.0.0.1", LIMITS, 2)
+        old_path.handshake(deadline())
+        assert alice.data_slot.install(old_path)  # closes the node's own data path
+        assert alice.data is old_path
         assert alice.data.lookup(keys, deadline()) is None  # not named in WELCOME: never sent
         assert alice.lookup(keys, deadline()) == Probe(2)  # answered over gRPC
         assert LOOKUP not in old.seen and HELLO in old.seen
