@@ -33,20 +33,17 @@ scan. Purity, determinism, threads and pins as in :mod:`kvtier.policies.base`.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 
-from kvtier.policies.base import NothingToEvict
-from kvtier.policies.tree import LeafTree
+from kvtier.policies.ranked import RankedLeafTree
 
 DEFAULT_GHOST_FACTOR = 8.0
 DEFAULT_GHOST_MAX = 1 << 20
-_GHOST_MIN = 1024
 
 
 class _Node:
     """One tracked key. ``seq`` names its live heap entry (-1: not a candidate) and ``queued``
-    the count that entry carries; ``count`` may have grown since (see ``LFUPolicy.evict``)."""
+    the count that entry carries; ``count`` may have grown since (see :mod:`kvtier.policies.ranked`)."""
 
     __slots__ = ("count", "parent", "queued", "seq")
 
@@ -57,7 +54,7 @@ class _Node:
         self.seq = -1
 
 
-class LFUPolicy(LeafTree):
+class LFUPolicy(RankedLeafTree):
     """Leaf-first least frequently used, counts kept in a ghost history."""
 
     name = "lfu"
@@ -77,16 +74,11 @@ class LFUPolicy(LeafTree):
         self._ghost: OrderedDict[bytes, int] = OrderedDict()  # key -> its count when it left
         self._seq = 0
 
-    def _push(self, key: bytes, n: _Node) -> None:
-        """Make ``n`` a candidate with its current count (any older entry goes stale)."""
-        self._seq += 1
-        n.seq = self._seq
-        n.queued = n.count
-        heapq.heappush(self._heap, (n.count, n.seq, key))
-        if len(self._heap) > 2 * len(self._nodes) + 64:
-            # Stale entries pile up only without evictions to pop them; rebuild.
-            self._heap = [(m.queued, m.seq, k) for k, m in self._nodes.items() if m.seq >= 0]
-            heapq.heapify(self._heap)
+    def _rank_of(self, n: _Node) -> int:
+        return n.count
+
+    def _ghost_entry(self, n: _Node) -> int:
+        return n.count
 
     # --- the contract ----------------------------------------------------------------------
     def insert(self, key: bytes, size: int, depth: int = 0, parent: bytes = b"") -> None:
@@ -105,47 +97,7 @@ class LFUPolicy(LeafTree):
             # reaches the heap's top, so a hot key costs no push per read.
             node.count += 1
 
-    def remove(self, key: bytes) -> None:
-        node = self._nodes.pop(key, None)
-        if node is not None:
-            self._forget(key, node)
-
     def forget_evicted(self, key: bytes) -> None:
         """Another policy tracking the same keys evicted ``key`` (kvtier.policies.dueling):
         an eviction here leaves what a removal does (its count in the ghost)."""
         self.remove(key)
-
-    def _forget(self, key: bytes, node: _Node) -> None:
-        """Bookkeeping for a key that stopped being tracked; its count goes to the ghost."""
-        node.seq = -1
-        if node.parent and key not in self._pinned:
-            self._child_gone(node.parent)
-        ghost = self._ghost
-        ghost[key] = node.count
-        limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * len(self._nodes))))
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
-
-    def evict(self) -> bytes:
-        nodes = self._nodes
-        # self._heap each time round: a re-queue below may rebuild it into a new list.
-        while self._heap:
-            _, seq, key = heapq.heappop(self._heap)
-            node = nodes.get(key)
-            if node is None or node.seq != seq:
-                continue  # stale entry
-            if node.count != node.queued:
-                # Read since it was queued: counts only grow, so every entry is a lower bound
-                # of its key's count and the top is the true minimum once its entry is current.
-                self._push(key, node)
-                continue
-            del nodes[key]
-            self._forget(key, node)
-            return key
-        # No leaf is left: every tracked key is pinned, or parent links form a cycle.
-        for key in nodes:
-            if key not in self._pinned:
-                node = nodes.pop(key)
-                self._forget(key, node)
-                return key
-        raise NothingToEvict("every tracked key is pinned")

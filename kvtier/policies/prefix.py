@@ -37,25 +37,22 @@ Parent links that form a cycle (impossible with chained hashes) fall back to a l
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 
-from kvtier.policies.base import NothingToEvict
-from kvtier.policies.tree import LeafTree
+from kvtier.policies.ranked import RankedLeafTree
 
 #: Weight of the mean reuse gap in the rank; 0.15-0.3 all score within ~3% on the replay.
 DEFAULT_BETA = 0.25
 #: Ghost entries kept per tracked key; 4 loses ~3% of hits at the smallest cache, 16 gains ~1%.
 DEFAULT_GHOST_FACTOR = 8.0
 DEFAULT_GHOST_MAX = 1 << 20
-_GHOST_MIN = 1024
 #: Ticks a once-seen chunk is ranked behind its last use: "always first" for any real run.
 DEFAULT_SINGLE_PENALTY = float(1 << 40)
 
 
 class _Node:
     """One tracked key. ``seq`` names its live heap entry (-1: not a candidate), ``queued`` is
-    the rank that entry carries; ``rank`` may have grown since (see ``PrefixPolicy.evict``)."""
+    the rank that entry carries; ``rank`` may have grown since (see :mod:`kvtier.policies.ranked`)."""
 
     __slots__ = ("count", "first", "last", "parent", "queued", "rank", "seq")
 
@@ -69,7 +66,7 @@ class _Node:
         self.seq = -1
 
 
-class PrefixPolicy(LeafTree):
+class PrefixPolicy(RankedLeafTree):
     """Leaf-first eviction ranked by recency and mean reuse gap, with a ghost history."""
 
     name = "prefix"
@@ -99,18 +96,11 @@ class PrefixPolicy(LeafTree):
             return n.last - self._single_penalty
         return n.last - self._beta * (n.last - n.first) / (n.count - 1)
 
-    def _push(self, key: bytes, n: _Node) -> None:
-        """Make ``n`` a candidate with its current rank (any older entry goes stale)."""
-        self._seq += 1
-        n.seq = self._seq
-        n.queued = n.rank
-        heap = self._heap
-        heapq.heappush(heap, (n.rank, n.seq, key))
-        if len(heap) > 2 * len(self._nodes) + 64:
-            # Stale entries (of removed keys, of keys that gained a child or a pin) pile up
-            # only without evictions to pop them; rebuild from the live ones.
-            self._heap = [(m.queued, m.seq, k) for k, m in self._nodes.items() if m.seq >= 0]
-            heapq.heapify(self._heap)
+    def _rank_of(self, n: _Node) -> float:
+        return n.rank  # kept current by insert and access
+
+    def _ghost_entry(self, n: _Node) -> tuple[int, int]:
+        return (n.first, n.count)
 
     def _is_candidate(self, key: bytes) -> bool:
         return key not in self._pinned and not self._kids.get(key)
@@ -145,44 +135,3 @@ class PrefixPolicy(LeafTree):
         # heap push per read. A rank that fell needs a fresh entry now.
         if (node.seq < 0 or node.rank < node.queued) and self._is_candidate(key):
             self._push(key, node)
-
-    def remove(self, key: bytes) -> None:
-        node = self._nodes.pop(key, None)
-        if node is not None:
-            self._forget(key, node)
-
-    def _forget(self, key: bytes, node: _Node) -> None:
-        """Bookkeeping for a key that stopped being tracked; its history goes to the ghost."""
-        node.seq = -1
-        if node.parent and key not in self._pinned:
-            self._child_gone(node.parent)
-        ghost = self._ghost
-        ghost[key] = (node.first, node.count)
-        limit = min(self._ghost_max, max(_GHOST_MIN, int(self._ghost_factor * len(self._nodes))))
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
-
-    def evict(self) -> bytes:
-        nodes = self._nodes
-        # self._heap each time round: a re-queue below may rebuild it into a new list.
-        while self._heap:
-            _, seq, key = heapq.heappop(self._heap)
-            node = nodes.get(key)
-            if node is None or node.seq != seq:
-                continue  # stale entry
-            if node.rank != node.queued:
-                # Touched since it was queued: ranks only grow, so every other entry is a
-                # lower bound of its key's rank and the heap top is the true minimum once
-                # its entry is current.
-                self._push(key, node)
-                continue
-            del nodes[key]
-            self._forget(key, node)
-            return key
-        # No leaf is left: every tracked key is pinned, or parent links form a cycle.
-        for key in nodes:
-            if key not in self._pinned:
-                node = nodes.pop(key)
-                self._forget(key, node)
-                return key
-        raise NothingToEvict("every tracked key is pinned")

@@ -1,4 +1,4 @@
-"""Pinning on a prefix tree, shared by the leaf-first policies (``prefix``, ``adaptive``).
+"""Pinning on a prefix tree, shared by the leaf-first policies (``prefix``, ``lfu``, ``adaptive``).
 
 A leaf-first policy keeps a node per tracked key (its parent and a heap sequence number) and
 only ever evicts leaves. A pinned key leaves the candidate heap (``seq = -1``, its parent no
