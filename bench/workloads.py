@@ -26,7 +26,7 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,18 @@ class Request:
 def _pareto_ms(rng: random.Random, scale_ms: float, alpha: float, cap_ms: float) -> float:
     """Heavy-tailed delay: Pareto with minimum ``scale_ms`` and tail index ``alpha``, capped."""
     return min(cap_ms, scale_ms * rng.paretovariate(alpha))
+
+
+def _arrivals(rng: random.Random, duration_ms: float, per_min: float) -> Iterator[tuple[float, int]]:
+    """A Poisson process of ``per_min`` arrivals a minute over ``duration_ms``: (time, n) with
+    n = 1, 2, ...; the gap is drawn before the caller's draws for that arrival."""
+    t, n = 0.0, 0
+    while True:
+        t += rng.expovariate(per_min / MINUTE_MS)
+        if t >= duration_ms:
+            return
+        n += 1
+        yield t, n
 
 
 def _zipf_picker(rng: random.Random, n: int, alpha: float) -> Callable[[], int]:
@@ -78,13 +90,7 @@ def chat(rng: random.Random, duration_ms: float, tag: str = "chat",
     """
     pick_system = _zipf_picker(rng, system_prompts, 1.0)
     out: list[Request] = []
-    t = 0.0
-    sid = 0
-    while True:
-        t += rng.expovariate(sessions_per_min / MINUTE_MS)
-        if t >= duration_ms:
-            return out
-        sid += 1
+    for t, sid in _arrivals(rng, duration_ms, sessions_per_min):
         sys_id = pick_system()
         prompt: list[Hashable] = [(tag, "sys", sys_id, j) for j in range(system_blocks)]
         first = rng.randint(4, 16) if rng.random() < 0.2 else rng.randint(1, 4)
@@ -99,6 +105,7 @@ def chat(rng: random.Random, duration_ms: float, tag: str = "chat",
             prompt += [(tag, sid, turn, "a", j) for j in range(answer)]
             prompt += [(tag, sid, turn, "u", j) for j in range(rng.randint(1, 3))]
             now += _pareto_ms(rng, think_ms, think_alpha, think_cap_ms)
+    return out
 
 
 def agent(rng: random.Random, duration_ms: float, tag: str = "agent",
@@ -116,13 +123,7 @@ def agent(rng: random.Random, duration_ms: float, tag: str = "agent",
     pick_kind = _zipf_picker(rng, agent_kinds, 1.0)
     prefix_len = [rng.randint(*prefix_blocks) for _ in range(agent_kinds)]
     out: list[Request] = []
-    t = 0.0
-    task = 0
-    while True:
-        t += rng.expovariate(tasks_per_min / MINUTE_MS)
-        if t >= duration_ms:
-            return out
-        task += 1
+    for t, task in _arrivals(rng, duration_ms, tasks_per_min):
         kind = pick_kind()
         prompt: list[Hashable] = [(tag, "tools", kind, j) for j in range(prefix_len[kind])]
         prompt += [(tag, task, "task", j) for j in range(rng.randint(1, 3))]
@@ -134,6 +135,7 @@ def agent(rng: random.Random, duration_ms: float, tag: str = "agent",
             step += 1
             prompt += [(tag, task, step, j) for j in range(2 if rng.random() < 0.25 else 1)]
             now += rng.expovariate(1.0 / step_ms)
+    return out
 
 
 def rag(rng: random.Random, duration_ms: float, tag: str = "rag",
@@ -153,13 +155,7 @@ def rag(rng: random.Random, duration_ms: float, tag: str = "rag",
     pick_doc = _zipf_picker(rng, documents, doc_alpha)
     doc_len = [rng.randint(*doc_blocks) for _ in range(documents)]
     out: list[Request] = []
-    t = 0.0
-    n = 0
-    while True:
-        t += rng.expovariate(requests_per_min / MINUTE_MS)
-        if t >= duration_ms:
-            return out
-        n += 1
+    for t, n in _arrivals(rng, duration_ms, requests_per_min):
         sys_id = rng.randrange(system_prompts)
         prompt: list[Hashable] = [(tag, "sys", sys_id, j) for j in range(system_blocks)]
         for _ in range(rng.randint(*docs_per_request)):
@@ -167,6 +163,7 @@ def rag(rng: random.Random, duration_ms: float, tag: str = "rag",
             prompt += [(tag, "doc", d, j) for j in range(doc_len[d])]
         prompt.append((tag, "q", n))
         out.append(Request(int(t), tuple(prompt), 1))
+    return out
 
 
 def scan(rng: random.Random, start_ms: float, blocks: int, tag: str = "scan",
@@ -272,18 +269,13 @@ def docs_qa(rng: random.Random, duration_ms: float, tag: str = "docqa",
     pick_doc = _zipf_picker(rng, documents, doc_alpha)
     doc_len = [rng.randint(*doc_blocks) for _ in range(documents)]
     out: list[Request] = []
-    t = 0.0
-    n = 0
-    while True:
-        t += rng.expovariate(requests_per_min / MINUTE_MS)
-        if t >= duration_ms:
-            return out
-        n += 1
+    for t, n in _arrivals(rng, duration_ms, requests_per_min):
         d = pick_doc()
         prompt: list[Hashable] = [(tag, "sys", j) for j in range(system_blocks)]
         prompt += [(tag, "doc", d, j) for j in range(doc_len[d])]
         prompt += [(tag, "q", n, j) for j in range(rng.randint(1, 2))]
         out.append(Request(int(t), tuple(prompt), 1))
+    return out
 
 
 def _distinct(reqs: Sequence[Request]) -> int:
