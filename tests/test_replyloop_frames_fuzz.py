@@ -13,15 +13,13 @@ in awkward pieces, the sender then closes so nothing can hang).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from kvtier.protocol.frames import encode_chunk, encode_chunk_ref, encode_miss
-from kvtier.tiers.remote import data_conn
 from tests.test_frames_fuzz import _frame_starts
-from tests.test_replyloop_fuzz import LIMITS, _outcome
+from tests.test_replyloop_fuzz import LIMITS, check_loops_agree
 
 
 def _reply(rng: random.Random) -> tuple[int, bytes]:
@@ -58,12 +56,4 @@ def _reply(rng: random.Random) -> tuple[int, bytes]:
 
 @pytest.mark.parametrize("seed", range(120))
 def test_c_and_python_loops_agree_on_a_mutation_mid_run(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    if data_conn.C_RECV_CHUNKS is None:
-        assert not os.environ.get("CI"), "kvtier._replyloop was not built: pip install -e . with a C compiler"
-        pytest.skip("kvtier._replyloop not built here (optional accelerator)")
-    rng = random.Random(seed)
-    n, data = _reply(rng)
-    into = seed % 2 == 1
-    with_c = _outcome(data, n, into, seed)
-    monkeypatch.setattr(data_conn, "C_RECV_CHUNKS", None)
-    assert _outcome(data, n, into, seed) == with_c
+    check_loops_agree(*_reply(random.Random(seed)), seed, monkeypatch)

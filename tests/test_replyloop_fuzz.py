@@ -96,10 +96,26 @@ def _outcome(data: bytes, n: int, into: bool, seed: int) -> tuple[Any, ...]:
     return out
 
 
-def test_c_loop_was_built_with_the_wire_constants() -> None:
+def require_c_loop() -> None:
+    """Skip where kvtier._replyloop is not built; CI builds it (same machine image: gcc), so
+    there it is a failure."""
     if data_conn.C_RECV_CHUNKS is None:
         assert not os.environ.get("CI"), "kvtier._replyloop was not built: pip install -e . with a C compiler"
         pytest.skip("kvtier._replyloop not built here (optional accelerator)")
+
+
+def check_loops_agree(n: int, data: bytes, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C loop and the Python loop alone give the same :func:`_outcome` for ``data``
+    (odd seeds read into caller buffers)."""
+    require_c_loop()
+    into = seed % 2 == 1
+    with_c = _outcome(data, n, into, seed)
+    monkeypatch.setattr(data_conn, "C_RECV_CHUNKS", None)
+    assert _outcome(data, n, into, seed) == with_c
+
+
+def test_c_loop_was_built_with_the_wire_constants() -> None:
+    require_c_loop()
     from kvtier import _replyloop
     from kvtier.protocol.frames import CHUNK, HEADER_SIZE
 
@@ -109,13 +125,4 @@ def test_c_loop_was_built_with_the_wire_constants() -> None:
 
 @pytest.mark.parametrize("seed", range(160))
 def test_c_and_python_loops_agree(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    if data_conn.C_RECV_CHUNKS is None:
-        # CI builds it (same machine image: gcc); elsewhere it is optional.
-        assert not os.environ.get("CI"), "kvtier._replyloop was not built: pip install -e . with a C compiler"
-        pytest.skip("kvtier._replyloop not built here (optional accelerator)")
-    rng = random.Random(seed)
-    n, data = _reply(rng)
-    into = seed % 2 == 1
-    with_c = _outcome(data, n, into, seed)
-    monkeypatch.setattr(data_conn, "C_RECV_CHUNKS", None)
-    assert _outcome(data, n, into, seed) == with_c
+    check_loops_agree(*_reply(random.Random(seed)), seed, monkeypatch)
