@@ -164,12 +164,15 @@ def test_a_call_with_no_time_left_is_a_timeout_that_leaves_the_node_up(fleet: li
         tier.close()
 
 
-def _with_a_healthy_first_key(tier: GrpcTier, hung: str, n: int, seed: int) -> list[bytes]:
-    """``n`` keys whose first is on a healthy node and second on ``hung`` (R=1), so the
-    probe's first wave asks both nodes at once (on the pool, not the caller's thread)."""
+def _stored_behind_a_healthy_key(tier: GrpcTier, hung: str, seed: int) -> list[bytes]:
+    """8 keys, stored and all found, whose first is on a healthy node and second on ``hung``
+    (R=1), so the probe's first wave asks both nodes at once (on the pool, not the caller's
+    thread)."""
     for s in range(seed, seed + 500):
-        keys = make_keys(n, seed=s)
+        keys = make_keys(8, seed=s)
         if tier.replicas(keys[0]) != [hung] and tier.replicas(keys[1]) == [hung]:
+            assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 8
+            assert tier.probe(keys).hits == 8
             return keys
     raise AssertionError("no such key set: pick other seeds")
 
@@ -212,9 +215,7 @@ def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[Serv
     hung = fleet[2]
     tier = _tier(fleet, timeout_s=timeout, backoff_s=30, backoff_max_s=30)
     try:
-        keys = _with_a_healthy_first_key(tier, hung.address, 8, seed=300)
-        assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 8
-        assert tier.probe(keys).hits == 8
+        keys = _stored_behind_a_healthy_key(tier, hung.address, seed=300)
         hung.hang()
         with ThreadPoolExecutor(2) as callers:  # two engines' lookups: each waits on the pool
             start = time.monotonic()
@@ -247,9 +248,7 @@ def test_one_slow_lookup_is_waited_for(fleet: list[ServerProc]) -> None:
     hung = fleet[2]
     tier = _tier(fleet, timeout_s=timeout, backoff_s=30, backoff_max_s=30)
     try:
-        keys = _with_a_healthy_first_key(tier, hung.address, 8, seed=400)
-        assert tier.put([Entry(k, make_chunk(k, 2000, i), i) for i, k in enumerate(keys)]) == [True] * 8
-        assert tier.probe(keys).hits == 8
+        keys = _stored_behind_a_healthy_key(tier, hung.address, seed=400)
         hung.hang()
         resume = threading.Timer(0.7, hung.proc.send_signal, (signal.SIGCONT,))
         resume.start()

@@ -5,7 +5,10 @@ sequence) is checked for every registered policy in tests/test_policy.py."""
 
 from __future__ import annotations
 
-from kvtier.policies import LFUPolicy, LRUPolicy
+import pytest
+
+from kvtier.policies import LFUPolicy, LRUPolicy, PrefixPolicy
+from kvtier.policies.ranked import RankedLeafTree
 from tests.policy_ops import Cache, drain, insert_all, k
 
 
@@ -51,10 +54,12 @@ def test_it_keeps_the_often_read_prefixes_of_a_cycle_larger_than_the_cache() -> 
     assert (got, base) == (97, 78)
 
 
-def test_an_eviction_that_rebuilds_the_heap_still_takes_the_least_used() -> None:
+@pytest.mark.parametrize("policy", [LFUPolicy, PrefixPolicy])
+def test_an_eviction_that_rebuilds_the_heap_still_takes_the_lowest_rank(policy: type[RankedLeafTree]) -> None:
     """A re-queue inside ``evict`` may rebuild the heap (stale entries of removed keys pile up
-    without evictions): the loop kept popping the old list and returned the most-read key."""
-    p = LFUPolicy()
+    without evictions): the loop kept popping the old list and returned the most-read key.
+    Both policies on kvtier.policies.ranked's heap (by count; by recency and reuse gaps)."""
+    p = policy()
     keys = [b"k%04d" % i for i in range(1000)]
     for key in keys:
         p.insert(key, 1)
@@ -64,4 +69,4 @@ def test_an_eviction_that_rebuilds_the_heap_still_takes_the_least_used() -> None
         p.access(keys[0])
     for key in keys[400:]:
         p.remove(key)  # 600 stale heap entries: the next re-queue rebuilds it
-    assert p.evict() == keys[1]  # count 2, the oldest such; keys[0] has 11
+    assert p.evict() == keys[1]  # read twice, the oldest such; keys[0] was read 11 times

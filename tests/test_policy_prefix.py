@@ -123,18 +123,3 @@ def test_prefix_rejects_negative_parameters() -> None:
     with pytest.raises(ValueError):
         PrefixPolicy(beta=-1)
 
-
-def test_an_eviction_that_rebuilds_the_heap_still_takes_the_lowest_rank() -> None:
-    """As in LFU: a re-queue inside ``evict`` may rebuild the heap, and the loop kept popping
-    the old list (it returned the most recently read key)."""
-    p = PrefixPolicy()
-    keys = [b"k%04d" % i for i in range(1000)]
-    for key in keys:
-        p.insert(key, 1)
-    for key in keys[1:400]:
-        p.access(key)
-    for _ in range(10):
-        p.access(keys[0])
-    for key in keys[400:]:
-        p.remove(key)
-    assert p.evict() == keys[1]
