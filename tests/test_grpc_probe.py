@@ -32,6 +32,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProc]
             assert n.stop() == 0, n.log
 
 
+def _nodes_down_once_marked(tier: GrpcTier, address: str, within_s: float) -> list[str]:
+    """``tier.nodes_down()`` once ``address`` is among them (a call in flight marks it when it
+    times out), or after ``within_s``."""
+    end = time.monotonic() + within_s
+    while address not in tier.nodes_down() and time.monotonic() < end:
+        time.sleep(0.05)
+    return tier.nodes_down()
+
+
 def _tier(nodes: list[ServerProc], **kw: object) -> GrpcTier:
     return GrpcTier(GrpcTierConfig(enabled=True, nodes=tuple(n.address for n in nodes), group_chunks=1,
                                    **kw))  # type: ignore[arg-type]
@@ -97,10 +106,7 @@ def test_a_hung_replica_neither_stalls_a_probe_nor_takes_healthy_nodes_down(flee
         took = time.monotonic() - start
         assert probe.hits == 32, probe
         assert took < timeout * 0.75, took  # answered by the healthy replicas (~10 ms here)
-        end = time.monotonic() + timeout + 10
-        while hung.address not in tier.nodes_down() and time.monotonic() < end:
-            time.sleep(0.05)
-        assert tier.nodes_down() == [hung.address]  # by its own call's timeout; no healthy node
+        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]  # by its own call's timeout; no healthy node
         assert tier.probe(keys).hits == 32
         assert not [g for g in tier.get(keys) if isinstance(g, Miss)]
         assert tier.nodes_down() == [hung.address]
@@ -125,10 +131,7 @@ def test_a_probe_stuck_on_a_hung_node_stops_at_the_deadline(fleet: list[ServerPr
         took = time.monotonic() - start
         assert (probe.hits, probe.reason) == (first_hung, TIMEOUT)
         assert took < timeout + 1.0, took
-        end = time.monotonic() + timeout + 10  # the call may still be in flight (it stalled)
-        while hung.address not in tier.nodes_down() and time.monotonic() < end:
-            time.sleep(0.05)
-        assert tier.nodes_down() == [hung.address]
+        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]  # the call may still be in flight (it stalled)
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         tier.close()
@@ -231,10 +234,7 @@ def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[Serv
         took = time.monotonic() - start
         assert (again.hits, again.reason) == (1, TIMEOUT) and got == [Miss(TIMEOUT)]
         assert took < timeout * 0.25, took  # not asked: the node owes answers already
-        end = time.monotonic() + timeout + 10
-        while hung.address not in tier.nodes_down() and time.monotonic() < end:
-            time.sleep(0.05)
-        assert tier.nodes_down() == [hung.address]  # by the first calls' own timeouts
+        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]  # by the first calls' own timeouts
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         tier.close()
