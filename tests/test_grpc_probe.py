@@ -106,7 +106,8 @@ def test_a_hung_replica_neither_stalls_a_probe_nor_takes_healthy_nodes_down(flee
         took = time.monotonic() - start
         assert probe.hits == 32, probe
         assert took < timeout * 0.75, took  # answered by the healthy replicas (~10 ms here)
-        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]  # by its own call's timeout; no healthy node
+        # by its own call's timeout; no healthy node
+        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]
         assert tier.probe(keys).hits == 32
         assert not [g for g in tier.get(keys) if isinstance(g, Miss)]
         assert tier.nodes_down() == [hung.address]
@@ -131,7 +132,8 @@ def test_a_probe_stuck_on_a_hung_node_stops_at_the_deadline(fleet: list[ServerPr
         took = time.monotonic() - start
         assert (probe.hits, probe.reason) == (first_hung, TIMEOUT)
         assert took < timeout + 1.0, took
-        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]  # the call may still be in flight (it stalled)
+        # the call may still be in flight (it stalled)
+        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         tier.close()
@@ -234,7 +236,8 @@ def test_a_stalled_node_is_not_asked_again_while_its_calls_wait(fleet: list[Serv
         took = time.monotonic() - start
         assert (again.hits, again.reason) == (1, TIMEOUT) and got == [Miss(TIMEOUT)]
         assert took < timeout * 0.25, took  # not asked: the node owes answers already
-        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]  # by the first calls' own timeouts
+        # by the first calls' own timeouts
+        assert _nodes_down_once_marked(tier, hung.address, timeout + 10) == [hung.address]
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         tier.close()
