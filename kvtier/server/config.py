@@ -75,6 +75,11 @@ class ServerConfig:
     max_batch_keys: int = field(default=4096, metadata=value_range(1, 1 << 20))
     # Threads that run blocking tier calls for the gRPC side (the event loop never does).
     workers: int = field(default=4, metadata=value_range(1, 256))
+    # Batches of gRPC Get replies one tenant may have in flight on the one event loop every
+    # tenant shares (kvtier.server.fair_gate): more overlaps a tenant's tier reads with its
+    # sends, fewer keeps the other tenants' gRPC calls quick under its load
+    # (bench/tenant_flood.py). The data path is not affected.
+    grpc_get_turns_per_tenant: int = field(default=2, metadata=value_range(1, 256))
     max_data_connections: int = field(default=256, metadata=value_range(1, 65536))
     # Data connections that have not authenticated yet: their own small cap (a new one pushes
     # out the oldest) and a hard deadline for TLS + HELLO, so no token-less peer holds slots.

@@ -29,6 +29,8 @@ from kvtier import __version__
 from kvtier.keys import KEY_BYTES
 from kvtier.protocol.gen import kvtier_pb2 as pb
 from kvtier.server.auth import Authenticator, AuthError, Tenant
+from kvtier.server.fair_gate import FairGate
+from kvtier.server.get_replies import encode_get_replies
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.requests import (
     BadRequest,
@@ -67,11 +69,13 @@ def tenant_of(auth: Authenticator, metadata: Sequence[tuple[str, Any]] | None) -
 
 
 class KVTierServicer:
-    """Owns nothing it is given; ``executor`` runs every storage call."""
+    """Owns nothing it is given; ``executor`` runs every storage call. Each batch of Get
+    replies takes one of its tenant's ``get_turns_per_tenant`` turns
+    (:class:`~kvtier.server.fair_gate.FairGate`)."""
 
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
                  executor: Executor, node_id: str, endpoints: Sequence[Endpoint] = (),
-                 usage: UsageAggregator | None = None) -> None:
+                 usage: UsageAggregator | None = None, get_turns_per_tenant: int = 2) -> None:
         self.storage = storage
         self.auth = auth
         self.limits = limits
@@ -81,6 +85,7 @@ class KVTierServicer:
         self.endpoints = list(endpoints)
         self.usage = usage if usage is not None else UsageAggregator()
         self.started = time.monotonic()
+        self.gate = FairGate(get_turns_per_tenant)  # each tenant's turns for Get replies
 
     def handler(self) -> grpc.GenericRpcHandler:
         def ser(msg: Any) -> bytes:
@@ -92,7 +97,8 @@ class KVTierServicer:
             "Delete": grpc.unary_unary_rpc_method_handler(self._wrap("Delete", self._delete), response_serializer=ser),
             "Stats": grpc.unary_unary_rpc_method_handler(self._wrap("Stats", self._stats), response_serializer=ser),
             "Put": grpc.stream_unary_rpc_method_handler(self._wrap("Put", self._put), response_serializer=ser),
-            "Get": grpc.unary_stream_rpc_method_handler(self._get, response_serializer=ser),
+            # Get replies are encoded on an executor thread (kvtier.server.get_replies).
+            "Get": grpc.unary_stream_rpc_method_handler(self._get, response_serializer=bytes),
             # Engine usage reports (kvtier.usage.wire): JSON in, empty reply; not in the .proto.
             "ReportUsage": grpc.unary_unary_rpc_method_handler(
                 self._wrap("ReportUsage", self._report_usage), response_serializer=bytes),
@@ -182,6 +188,8 @@ class KVTierServicer:
         new_keys: list[bytes] = []
         try:
             async for raw in requests:
+                # No turn here: a turn per message left the executor idle between a tenant's
+                # puts (-30% Put throughput) for little gain (bench/tenant_flood.py --flood put).
                 stored.extend(await self._run(self._decode_and_put, store, raw, len(stored), new_keys))
         except BadRequest:
             if new_keys:
@@ -199,11 +207,12 @@ class KVTierServicer:
         self.metrics.bytes.labels("in", "grpc").inc(sum(len(e.data) for e in entries))
         return results
 
-    async def _get(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[pb.GetReply]:
+    async def _get(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         start = time.perf_counter()
         code = "OK"
         try:
-            store = self.storage.store(self._tenant(context).name)
+            tenant = self._tenant(context).name
+            store = self.storage.store(tenant)
             keys = decode_keys(raw, "Get", self.limits)
         except (BadRequest, AuthError) as exc:
             code = self._refused(exc)
@@ -215,24 +224,21 @@ class KVTierServicer:
         sent = 0
         try:
             for base in range(0, len(keys), _GET_BATCH):
-                values = await self._run(store.get, keys[base : base + _GET_BATCH])
-                reply, size = pb.GetReply(), 0
-                for i, value in enumerate(values, base):
-                    if isinstance(value, Miss):
-                        reply.items.add(index=i, miss_reason=value.reason)
-                        continue
-                    if size + len(value) > budget and reply.items:
-                        yield reply
-                        reply, size = pb.GetReply(), 0
-                    reply.items.add(index=i, chunk=value)
-                    size += len(value)
-                    sent += len(value)
-                if reply.items:
-                    yield reply
+                async with self.gate.turn(tenant):  # held until grpc has taken the messages
+                    messages, nbytes = await self._run(_get_batch, store, keys[base : base + _GET_BATCH],
+                                                       base, budget)
+                    for message in messages:
+                        yield message
+                sent += nbytes
         finally:
             self.metrics.bytes.labels("out", "grpc").inc(sent)
             self.metrics.requests.labels("Get", code).inc()
             self.metrics.seconds.labels("Get").observe(time.perf_counter() - start)
+
+
+def _get_batch(store: Any, keys: Sequence[bytes], first: int, budget: int) -> tuple[list[bytes], int]:
+    values = store.get(keys)
+    return encode_get_replies(values, first, budget), sum(len(v) for v in values if not isinstance(v, Miss))
 
 
 def _status(exc: BadRequest | AuthError) -> grpc.StatusCode:
