@@ -32,9 +32,10 @@ import pytest
 from kvtier.chunk import encode_chunk
 from kvtier.config import GrpcTierConfig
 from kvtier.tiers.base import Entry
+from kvtier.tiers.remote import GrpcTier
 from kvtier.tiers.remote.errors import NodeError
 from kvtier.tiers.remote.node import NodeClient
-from tests.kvtier_servers import ROOT, ServerProc, make_keys, start_server
+from tests.kvtier_servers import ROOT, ServerProc, make_chunk, make_keys, start_server
 from tests.redis_servers import free_port
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvtier-dashboard.json"
@@ -315,7 +316,8 @@ def test_deploy_prometheus_config_is_valid() -> None:
 def test_capacity_panels_equal_what_the_nodes_hold(scraped: Scraped) -> None:
     """The capacity panels divide by what a node can hold. Three tenants share each node's
     2 MiB of RAM without quotas, so each tenant's own capacity is the whole 2 MiB: summed over
-    tenants it read 6 MiB a node and the panels a third of the truth."""
+    tenants it read 6 MiB a node and the panels a third of the truth. That budget counts chunk
+    bytes (8 KiB chunks in 16 KiB slots here: the slots held read twice as much)."""
     variables = resolve_variables(scraped.prom)
     panels = {title: expr for title, expr in dashboard_queries()}
     used: dict[str, int] = {}
@@ -323,7 +325,8 @@ def test_capacity_panels_equal_what_the_nodes_hold(scraped: Scraped) -> None:
         with urllib.request.urlopen(node.http + "/api/stats", timeout=10) as resp:
             stats = json.loads(resp.read())
         assert stats["capacity_bytes"] == {"cpu": 2 << 20}
-        used[node.http.removeprefix("http://")] = sum(t["used_bytes"] for t in stats["tenants"])
+        used[node.http.removeprefix("http://")] = sum(tier["chunk_bytes"] for t in stats["tenants"]
+                                                      for tier in t["tiers"])
     assert all(used.values()), used
     overall = scraped.prom.scalar(substitute(panels["Capacity used"], variables, _window(scraped)))
     assert overall == pytest.approx(sum(used.values()) / (len(used) * (2 << 20)), rel=1e-6)
@@ -369,3 +372,72 @@ def test_documented_engine_hit_ratio_counts_every_tier_once(tmp_path: Path) -> N
             prom.proc.wait(20)
         for node in nodes:
             node.kill()
+
+
+def test_capacity_used_counts_chunk_bytes_against_the_budget_that_counts_them(tmp_path: Path) -> None:
+    """Three tenants (no quotas: each may fill the node's whole 2 MiB RAM budget) store
+    ~4 KiB chunks in 64 KiB slots. The node's budget (kvtier.server.pool) counts chunk bytes,
+    so it is far from full (nothing evicted); the slots held add up to 3 x 24 x 64 KiB =
+    4.5 MiB. Dividing those slots by the 2 MiB budget, the capacity panels read 225 %: the
+    node-level fraction must be the chunk bytes over the budget (and /api/cluster, which the
+    HTML dashboard draws, must agree). One tenant selected, its own tier bounds it: slots
+    over its capacity."""
+    tenants = ("acme", "beta", "gamma")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"fill-token-{t}-0123456789 {t}\n" for t in tenants))
+    tokens.chmod(0o600)
+    node = start_server(tmp_path / "n", "--tokens-file", str(tokens), "--cpu-bytes", "2MiB",
+                        "--slot-bytes", "64KiB", name="n")
+    prom = None
+    try:
+        for i, tenant in enumerate(tenants):
+            tier = GrpcTier(GrpcTierConfig(enabled=True, nodes=(node.address,), token=f"fill-token-{tenant}-0123456789",
+                                           timeout_s=5.0))
+            try:
+                keys = make_keys(24, seed=40 + i)
+                assert all(tier.put([Entry(k, make_chunk(k, 4096, j), depth=j) for j, k in enumerate(keys)]))
+            finally:
+                tier.close()
+        with urllib.request.urlopen(node.http + "/api/stats", timeout=10) as resp:
+            stats = json.loads(resp.read())
+        budget = stats["capacity_bytes"]["cpu"]
+        ram = {t["tenant"]: t["tiers"][0] for t in stats["tenants"]}
+        assert budget == 2 << 20 and all(r["name"] == "cpu" and r["entries"] == 24 for r in ram.values())
+        chunk_bytes = sum(r["chunk_bytes"] for r in ram.values())
+        slot_bytes = sum(r["used_bytes"] for r in ram.values())
+        assert slot_bytes == 3 * 24 * (64 << 10) > budget > 4 * chunk_bytes  # slots overfill it; chunks do not
+        assert sum(t["evictions"] for t in stats["tenants"]) == 0  # the node never was full
+        # The same figure from /metrics (the series the panels read): the truth, independently.
+        text = node.metrics()
+        assert sum(float(v) for v in re.findall(r'^kvtier_server_tier_chunk_bytes\{[^}]*tier="cpu"[^}]*\} (\S+)$',
+                                                 text, re.M)) == chunk_bytes
+        truth = chunk_bytes / budget
+
+        prom = start_prometheus(tmp_path, {"kvtier-server": [node.http.removeprefix("http://")]})
+        chunks_q = 'sum(kvtier_server_tier_chunk_bytes{tier="cpu"})'
+        _wait("the stored chunks scraped", lambda: prom.query(chunks_q) and prom.scalar(chunks_q) == chunk_bytes
+              and prom.query("kvtier_server_requests_total"), 30)
+        variables = resolve_variables(prom)
+        assert variables["tenant"] == sorted(tenants)
+        panels = {title: expr for title, expr in dashboard_queries()}
+        overall = prom.scalar(substitute(panels["Capacity used"], variables, "1m"))
+        [per_node] = prom.query(substitute(panels["Capacity per node and tier"], variables, "1m"))
+        assert (overall, float(per_node["value"][1])) == (pytest.approx(truth, rel=1e-9),) * 2
+        assert overall <= 1
+        assert prom.scalar(substitute(panels["Used"], variables, "1m")) == chunk_bytes
+        # One tenant: its RAM tier (capacity: the whole budget) is bounded by its slots.
+        one = {**variables, "tenant": ["acme"]}
+        assert prom.scalar(substitute(panels["Capacity used"], one, "1m")) == pytest.approx(
+            ram["acme"]["used_bytes"] / ram["acme"]["capacity_bytes"], rel=1e-9)
+
+        with urllib.request.urlopen(node.http + "/api/cluster", timeout=10) as resp:
+            cluster = json.loads(resp.read())
+        [cpu] = cluster["nodes"][0]["tiers"]
+        assert cpu["used_bytes"] / cpu["capacity_bytes"] == pytest.approx(truth, rel=1e-9)
+        totals = cluster["totals"]
+        assert totals["used_bytes"] / totals["capacity_bytes"] == pytest.approx(truth, rel=1e-9)
+    finally:
+        if prom is not None:
+            prom.proc.terminate()
+            prom.proc.wait(20)
+        node.kill()

@@ -20,7 +20,12 @@ Definitions (the dashboard and deploy/grafana use the same ones):
   nodes' hits over the sum of their lookups (never an average of ratios);
 - ``capacity_bytes`` of a tier is what the node can hold in it: the sum of its tenants'
   capacities, at most the node's budget for the tier (``capacity_bytes`` in /api/stats; tenants
-  without a quota may each fill the whole budget, so the plain sum counts it once per tenant).
+  without a quota may each fill the whole budget, so the plain sum counts it once per tenant);
+- ``used_bytes`` of a tier is counted as that capacity counts it, so used / capacity is at most
+  1 and reaches 1 when the node must evict: where the budget is the capacity, the chunk bytes
+  (``chunk_bytes``: the budget, kvtier.server.pool, counts those), else the tenants' own
+  ``used_bytes`` (RAM: whole slots, which bound each tenant's tier). The RAM slots of several
+  tenants over the budget read past 100 % with chunks smaller than a slot.
 Stats from an older server that lacks these fields read as zeros (or the plain sum), never as
 an error.
 """
@@ -224,10 +229,13 @@ def node_summary(doc: Mapping[str, Any], address: str = "", latency_s: float = 0
         read_misses.update(t_read_miss)
         hits_by_tier.update({str(k): int(v) for k, v in (lookup.get("hit_chunks") or {}).items()})
         for tier in t.get("tiers", ()):
-            agg = tiers.setdefault(tier["name"], {"name": tier["name"], "used_bytes": 0, "capacity_bytes": 0,
-                                                  "entries": 0, "hit_chunks": 0, "evictions": Counter()})
+            agg = tiers.setdefault(tier["name"], {"name": tier["name"], "used_bytes": 0, "chunk_bytes": 0,
+                                                  "capacity_bytes": 0, "entries": 0, "hit_chunks": 0,
+                                                  "evictions": Counter()})
             for k in ("used_bytes", "capacity_bytes", "entries"):
                 agg[k] += int(tier.get(k, 0))
+            # An older server's tiers lack chunk_bytes; its used_bytes counted chunk bytes then.
+            agg["chunk_bytes"] += int(tier.get("chunk_bytes", tier.get("used_bytes", 0)))
             agg["evictions"].update({str(k): int(v) for k, v in (tier.get("evictions") or {}).items()})
         tenants.append({
             "tenant": t.get("tenant", "?"), "used_bytes": int(t.get("used_bytes", 0)),
@@ -247,8 +255,12 @@ def node_summary(doc: Mapping[str, Any], address: str = "", latency_s: float = 0
         below += agg["hit_chunks"]
         agg["hit_rate"] = _rate(agg["hit_chunks"], below - agg["hit_chunks"])
         agg["evictions"] = dict(agg["evictions"])
-        if agg["name"] in budgets:  # tenants that share the budget: the node holds it once
-            agg["capacity_bytes"] = min(agg["capacity_bytes"], int(budgets[agg["name"]]))
+        # Tenants whose capacities add up past the node's budget share it: the node holds it once,
+        # and counts chunk bytes against it (kvtier.server.pool), so used is their chunk bytes;
+        # within the budget each tenant's own tier bounds it, counted as used_bytes (RAM: slots).
+        if agg["name"] in budgets and agg["capacity_bytes"] > int(budgets[agg["name"]]):
+            agg["capacity_bytes"] = int(budgets[agg["name"]])
+            agg["used_bytes"] = agg["chunk_bytes"]
     # The bottom tier bounds what a node holds (RAM caches it when there is a disk).
     bottom = tier_list[-1] if tier_list else {"used_bytes": 0, "capacity_bytes": 0, "entries": 0}
     evictions: Counter[str] = Counter()
