@@ -10,7 +10,8 @@
   When the queue is full the batch is dropped and counted: the caller (the engine) is never
   blocked. Write policies: ``write_through`` cascades every chunk; ``write_through_selective``
   only chunks loaded ``selective_min_hits`` times (to every tier below); ``write_back``
-  cascades a chunk when tier i evicts it. A delete also cancels queued writes of its keys.
+  cascades a chunk when tier i evicts it, with its depth and parent (writebehind.Lineage).
+  A delete also cancels queued writes of its keys.
 
 Threads: every public method may be called from any thread. ``close`` flushes the queue.
 Failure: tiers never raise for medium failures (tiers/base.py), so neither does the store; a tier
@@ -20,9 +21,7 @@ that raises anyway costs the write-behind its batch (logged, counted `error`), n
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvtier.codec import Buf
@@ -47,7 +46,7 @@ from kvtier.tiers.base import (
     Tier,
     TierUsage,
 )
-from kvtier.writebehind import WriteBehind
+from kvtier.writebehind import Lineage, LoadCounts, WriteBehind, first_link
 
 __all__ = ["LoadIntoResult", "LoadResult", "LookupResult", "Promotion", "StoreListener", "TieredStore"]
 
@@ -57,7 +56,6 @@ log = logging.getLogger(__name__)
 _REASON_RANK = {ABSENT: 0, EVICTED: 1}
 
 
-HITS_REMEMBERED = 1 << 16  # keys whose load count write_through_selective keeps (~200 B each)
 
 
 class TieredStore:
@@ -74,9 +72,11 @@ class TieredStore:
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.declare_tiers(tuple(names))
         self.metrics.on_scrape(self._refresh_local_usage)
-        self._hits: OrderedDict[bytes, int] = OrderedDict()  # most recently loaded last
-        self._hits_lock = threading.Lock()
+        self._load_counts = LoadCounts()
         self._listeners = Listeners()
+        self._lineage = Lineage(names[:-1])  # write_back hands each chunk down with its parent
+        if config.write_policy == "write_back":
+            self._listeners.add(self._lineage)  # told of every put, before it runs
         for level, tier in enumerate(self.tiers):
             self._listen_to_evictions(level, tier)
         # Per-lookup constants, resolved once: isinstance against a runtime Protocol costs
@@ -220,9 +220,10 @@ class TieredStore:
         if not self.config.promote_on_load:
             return
         n = len(pending.keys) if count is None else min(count, len(pending.keys))
-        keys = pending.keys  # a leading run: chunk i extends chunk i - 1 (policies weigh it)
+        keys = pending.keys  # a run: chunk d0 + i extends chunk d0 + i - 1 (policies weigh it)
+        d0, lead = first_link(keys, pending.prefix)
         for level in range(1, len(self.tiers)):
-            served = [Entry(keys[i], pending.chunks[i], i, keys[i - 1] if i else b"")
+            served = [Entry(keys[i], pending.chunks[i], d0 + i, keys[i - 1] if i else lead)
                       for i in range(n) if pending.levels[i] == level]
             if not served:
                 continue
@@ -234,18 +235,7 @@ class TieredStore:
 
     def _after_load(self, keys: Sequence[bytes], run: Sequence[Buf], prefix: Sequence[bytes] | None) -> None:
         if self.config.write_policy == "write_through_selective" and len(self.tiers) > 1:
-            due: list[Entry] = []
-            hits = self._hits
-            with self._hits_lock:
-                for i, data in enumerate(run):
-                    n = hits.pop(keys[i], 0) + 1
-                    hits[keys[i]] = n
-                    if n == self.config.selective_min_hits:
-                        # The queue keeps the entry: a copy, as ``run`` may be the caller's buffers.
-                        due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), i,
-                                         keys[i - 1] if i else b""))
-                while len(hits) > HITS_REMEMBERED:  # bounded: the least recently loaded go
-                    hits.popitem(last=False)
+            due = self._load_counts.due(keys, run, prefix, self.config.selective_min_hits)
             if due:
                 self._behind.enqueue(due, 1, prefix)
 
@@ -317,7 +307,7 @@ class TieredStore:
                 evicted(key)
                 if not self._behind.closed:
                     # The prefix is unknown here: a prefix-placed tier places the chunk by itself.
-                    self._behind.enqueue([Entry(key, data)], level + 1, None)
+                    self._behind.enqueue([self._lineage.entry(key, data)], level + 1, None)
 
             tier.evict_listener = write_back
         else:

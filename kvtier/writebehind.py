@@ -12,9 +12,15 @@ came back from the queue after ``delete`` returned); a key marked while its job 
 written into a tier is removed from that tier again (``remove``). Marks are dropped once no
 job queued before them is left.
 
+``write_back`` hands a tier's evicted chunk down as ``(key, bytes)`` only (the evict listener's
+contract): :class:`Lineage` is the store's memory of each chunk's depth and parent, so the
+tier below is told them as the tier above was (prefix-aware policies evict leaves first).
+:class:`LoadCounts` decides which loaded chunks ``write_through_selective`` writes down.
+
 Threads: ``enqueue``/``forget``/``flush``/``close`` from any thread; ``write(level, entries,
-prefix)`` and ``remove(level, keys, prefix)`` run on the writer thread only. Failure: a ``write`` that raises costs that job
-(logged, counted ``error`` through ``on_drop``), never the thread (flush and close would hang).
+prefix)`` and ``remove(level, keys, prefix)`` run on the writer thread only. Failure: a
+``write`` that raises costs that job (logged, counted ``error`` through ``on_drop``), never
+the thread (flush and close would hang).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from kvtier.tiers.base import Entry
@@ -147,3 +153,91 @@ class WriteBehind:
                 return entries
             deleted = self._deleted
             return [e for e in entries if deleted.get(e.key, 0) <= seq]
+
+
+class Lineage:
+    """Depth and parent of the chunks put into tiers that write back, for the write-back of
+    each when it is evicted: ``entry(key, data)``. A store listener (``chunks_stored``), so it
+    sees every put the store makes (a save, a promotion, a write-down) before it runs; it
+    keeps those into ``tiers`` (the ones that write back). Bounded: past ``limit`` keys (~200
+    bytes each) the least recently stored are forgotten (their write-back then carries no
+    parent, as before this existed); an entry never goes stale, as a key (a chained hash of
+    its whole prefix) has one parent and one depth. Any thread."""
+
+    def __init__(self, tiers: Sequence[str], limit: int = 1 << 16) -> None:
+        self._tiers = frozenset(tiers)
+        self._limit = limit
+        self._links: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def chunks_stored(self, tier: str, entries: Sequence[Entry]) -> None:
+        if tier not in self._tiers:
+            return
+        links = self._links
+        with self._lock:
+            for e in entries:
+                if e.depth or e.parent:
+                    links[e.key] = (e.depth, e.parent)
+                    links.move_to_end(e.key)
+            while len(links) > self._limit:
+                links.popitem(last=False)
+
+    def chunks_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        """Kept: the key may still be held by another tier that writes back (see above)."""
+
+    def entry(self, key: bytes, data: bytes) -> Entry:
+        """The evicted chunk ``key`` as an :class:`Entry` for the tier below."""
+        with self._lock:
+            depth, parent = self._links.get(key, (0, b""))
+        return Entry(key, data, depth, parent)
+
+
+def first_link(keys: Sequence[bytes], prefix: Sequence[bytes] | None) -> tuple[int, bytes]:
+    """Depth and parent of ``keys[0]``, the first of a run of consecutive chunks of the prefix
+    whose keys are ``prefix`` (``prefix[d]`` is chunk d; a loader may read a long prefix a
+    batch at a time): its index there and the key before it, or (0, b"") when the caller gave
+    no prefix or one without it."""
+    if not keys or not prefix or prefix[0] == keys[0]:
+        return 0, b""
+    try:
+        d0 = prefix.index(keys[0])
+    except ValueError:
+        return 0, b""
+    return d0, prefix[d0 - 1]
+
+
+HITS_REMEMBERED = 1 << 16  # keys whose load count LoadCounts keeps (~200 B each)
+
+
+class LoadCounts:
+    """``write_through_selective``'s memory of how often each chunk was loaded: :meth:`due`
+    counts a load and returns the chunks whose count just reached ``min_hits`` (the store's
+    config, read at each call), as entries for the tiers below (copies, with depth and
+    parent). Bounded: past :data:`HITS_REMEMBERED` keys the least recently loaded are
+    forgotten (their count starts again). Any thread."""
+
+    def __init__(self) -> None:
+        self._hits: OrderedDict[bytes, int] = OrderedDict()  # most recently loaded last
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._hits)
+
+    def due(self, keys: Sequence[bytes], run: Sequence[bytes | bytearray | memoryview],
+            prefix: Sequence[bytes] | None, min_hits: int) -> list[Entry]:
+        """Count one load of ``keys[:len(run)]`` (``run`` their chunks, consecutive chunks of
+        ``prefix``)."""
+        due: list[Entry] = []
+        hits = self._hits
+        d0, lead = first_link(keys, prefix)
+        with self._lock:
+            for i, data in enumerate(run):
+                n = hits.pop(keys[i], 0) + 1
+                hits[keys[i]] = n
+                if n == min_hits:
+                    # The queue keeps the entry: a copy, as ``run`` may be the caller's buffers.
+                    due.append(Entry(keys[i], data if isinstance(data, bytes) else bytes(data), d0 + i,
+                                     keys[i - 1] if i else lead))
+            while len(hits) > HITS_REMEMBERED:  # bounded: the least recently loaded go
+                hits.popitem(last=False)
+        return due

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvtier.store
+import kvtier.writebehind
 from kvtier.config import DiskTierConfig, StoreConfig
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
@@ -35,14 +35,14 @@ def test_selective_writes_a_due_chunk_into_every_tier_below() -> None:
 
 
 def test_selective_hit_counts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvtier.store, "HITS_REMEMBERED", 50)
+    monkeypatch.setattr(kvtier.writebehind, "HITS_REMEMBERED", 50)
     a, b = MemoryTier(name="a"), MemoryTier(name="b")
     with TieredStore([a, b], StoreConfig(write_policy="write_through_selective", selective_min_hits=2)) as store:
         keys = [key_of(f"k{i}") for i in range(500)]
         store.store([Entry(k, b"x" * 10) for k in keys])
         for k in keys:
             store.load([k])
-        assert len(store._hits) == 50  # the least recently loaded went
+        assert len(store._load_counts) == 50  # the least recently loaded went
         store.load(keys[-1:])  # a remembered key still becomes due on its second load
         store.flush(5)
         assert b.contains(keys[-1:]) == 1 and b.usage().entries == 1

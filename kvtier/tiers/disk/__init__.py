@@ -4,6 +4,8 @@
 - ``index``: the in-memory index, byte accounting and eviction (DiskTier's base class).
 - ``layout``: file names, the start-up scan that rebuilds the index from chunk headers, and
   the atomic publish of a finished file.
+- ``lineage``: each chunk file's depth and parent key, kept in an extended attribute, so a
+  restart or a sharer's adoption tells the eviction policy what the put told it.
 - ``direct_io``: O_DIRECT opens, aligned buffers and the low-level read/write checks.
 """
 

@@ -74,10 +74,10 @@ class DiskIndex(BoundedTier):
         found, bad, tmp_removed = scan(self.root)
         pending = Pending()
         with self._lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self._used += size
-                self.policy.insert(key, size)
+            for f in found:  # with the parent each chunk's put gave (lineage.py), if kept
+                self._index[f.key] = f.size
+                self._used += f.size
+                self.policy.insert(f.key, f.size, f.depth, f.parent)
             while self._used > self.capacity_bytes and (victim := self._evict_one(pending)):
                 pending.doomed.append(self._path(victim[0]))
         self._finish(pending)
@@ -204,13 +204,14 @@ class DiskIndex(BoundedTier):
         self.policy.remove(key)
         return True
 
-    def _adopt(self, key: bytes, size: int, p: Pending) -> None:
-        """Index a file another writer made, within this tier's capacity."""
+    def _adopt(self, key: bytes, size: int, p: Pending, depth: int = 0, parent: bytes = b"") -> None:
+        """Index a file another writer made, within this tier's capacity; ``depth``/``parent``
+        from its lineage record (lineage.py), as that writer's put gave them."""
         if key in self._index or self._make_room(size, p) is None:
             return
         self._index[key] = size
         self._used += size
-        self.policy.insert(key, size)
+        self.policy.insert(key, size, depth, parent)
 
     def _finish(self, p: Pending) -> None:
         """Lock released: unlink what was evicted, then tell the evict listener."""

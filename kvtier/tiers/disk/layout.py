@@ -2,7 +2,8 @@
 atomic publish of one chunk file.
 
 Layout: ``<root>/<2 hex>/<64 hex key>.kvc`` holds an encoded chunk (``kvtier.chunk``),
-zero-padded to 4096 bytes under O_DIRECT (the header carries the true length). Temp files are
+zero-padded to 4096 bytes under O_DIRECT (the header carries the true length), and in an
+extended attribute the chunk's depth and parent key (``lineage``; older files have none). Temp files are
 ``.<hex>.<pid>.<seq>.tmp`` beside it. A chunk file appears only by ``os.replace`` of a finished
 temp file, so a ``kill -9`` at any moment leaves either no file or a whole one. Start-up
 (:func:`scan`) finds the chunk files by their headers, deletes files of ours (kvtier chunk
@@ -29,14 +30,16 @@ import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.chunk import HEADER_SIZE, MAGIC
 from kvtier.errors import TierUnavailableError
 from kvtier.keys import KEY_BYTES
 from kvtier.tiers.disk import direct_io as io
+from kvtier.tiers.disk import lineage
 from kvtier.tiers.disk.direct_io import ALIGN
 
-__all__ = ["NOSPACE", "SUFFIX", "RebuildStats", "chunk_path", "make_private_dir", "make_shards",
+__all__ = ["NOSPACE", "SUFFIX", "Found", "RebuildStats", "chunk_path", "make_private_dir", "make_shards",
            "open_regular", "probe_medium", "read_head", "scan", "tmp_path", "write_file"]
 
 # The tier's logger: these lines are the disk tier's, whichever module emits them.
@@ -72,9 +75,10 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def read_head(path: str) -> tuple[bytes, int]:
-    """The first HEADER_SIZE bytes of a regular file and its size (see :func:`open_regular`).
-    A file others may read (made by an older version) is narrowed to 0600 on the way."""
+def read_head(path: str) -> tuple[bytes, int, bytes | None]:
+    """The first HEADER_SIZE bytes of a regular file, its size and its raw lineage record
+    (:func:`lineage.fetch`; see :func:`open_regular`). A file others may read (made by an
+    older version) is narrowed to 0600 on the way."""
     fd = open_regular(path)
     try:
         st = os.fstat(fd)
@@ -83,7 +87,7 @@ def read_head(path: str) -> tuple[bytes, int]:
                 os.fchmod(fd, FILE_MODE)
             except PermissionError:  # not ours to change: the caller's checks still apply
                 pass
-        return os.pread(fd, HEADER_SIZE, 0), st.st_size
+        return os.pread(fd, HEADER_SIZE, 0), st.st_size, lineage.fetch(fd)
     finally:
         os.close(fd)
 
@@ -166,15 +170,28 @@ def probe_medium(root: str, direct: bool, scratch: io.Scratch, seq: Iterator[int
     return direct
 
 
-def scan(root: str) -> tuple[list[tuple[int, bytes, int]], int, int]:
-    """Find the chunk files under ``root``: ``(files, bad, tmp_removed)`` where ``files`` is
-    ``(mtime_ns, key, size)`` sorted oldest first. Our files (chunk magic) with a bad header
-    or length and stale temp files are deleted here; names that are not ours, and entries
-    that are not regular files, are left alone (logged)."""
-    found: list[tuple[int, bytes, int]] = []
+class Found(NamedTuple):
+    """A chunk file the start-up scan found; ``depth``/``parent`` from its lineage record
+    (0, b"": none). Sorted as a tuple: oldest first, and among files of one file time
+    (coarse: a few ms) a prefix before the chunks that extend it, as they were put."""
+
+    mtime_ns: int
+    depth: int
+    key: bytes
+    size: int
+    parent: bytes
+
+
+def scan(root: str) -> tuple[list[Found], int, int]:
+    """Find the chunk files under ``root``: ``(files, bad, tmp_removed)`` where ``files`` are
+    sorted oldest first. Our files (chunk magic) with a bad header or length and stale temp
+    files are deleted here; names that are not ours, and entries that are not regular files,
+    are left alone (logged). A bad lineage record only costs its chunk the parent (logged)."""
+    found: list[Found] = []
     bad: list[str] = []
     tmp: list[str] = []
     strangers = 0
+    bad_records: list[str] = []
     for shard in os.scandir(root):
         is_shard = len(shard.name) == 2 and shard.is_dir(follow_symlinks=False)
         for f in os.scandir(shard.path) if is_shard else [shard]:
@@ -187,18 +204,26 @@ def scan(root: str) -> tuple[list[tuple[int, bytes, int]], int, int]:
                 continue  # not ours: leave it alone
             try:
                 key = bytes.fromhex(f.name[: 2 * KEY_BYTES])
-                head, size = read_head(f.path)
+                head, size, record = read_head(f.path)
             except (ValueError, OSError):  # not hex, not a regular file, unreadable
                 strangers += 1
                 continue
             try:
                 io.check_header(head, key, size)
-                found.append((f.stat(follow_symlinks=False).st_mtime_ns, key, size))
+                mtime = f.stat(follow_symlinks=False).st_mtime_ns
             except (ValueError, OSError):  # ChunkError is a ValueError
                 if head[: len(MAGIC)] == MAGIC:
                     bad.append(f.path)  # ours, damaged (torn by a crash, bit rot)
                 else:
                     strangers += 1
+                continue
+            depth, parent = lineage.NONE
+            if record is not None:
+                try:
+                    depth, parent = lineage.decode(record, key)
+                except lineage.BadLineage as exc:
+                    bad_records.append(f"{f.path}: {exc}")
+            found.append(Found(mtime, depth, key, size, parent))
     tmp_removed = sum(io.unlink(path) for path in tmp)
     for path in bad:
         io.unlink(path)
@@ -207,16 +232,21 @@ def scan(root: str) -> tuple[list[tuple[int, bytes, int]], int, int]:
     if strangers:
         log.warning("disk tier %s: left alone %d entries with chunk names that are not kvtier chunk "
                     "files (not regular files, or no chunk magic)", root, strangers)
+    if bad_records:
+        log.warning("disk tier %s: ignored %d bad lineage records (those chunks are indexed with no "
+                    "parent), e.g. %s", root, len(bad_records), bad_records[0])
     return sorted(found), len(bad), tmp_removed
 
 
 def write_file(data: memoryview, size: int, tmp: str, path: str, reused: int, direct: bool,
-               scratch: io.Scratch, root: str) -> tuple[int, bool]:
+               scratch: io.Scratch, root: str, record: bytes = b"") -> tuple[int, bool]:
     """Write ``data`` (padded to ``size``) to ``tmp`` (an existing file of ``reused`` bytes
-    when non-zero) and rename it to ``path``. Returns ``(errno, direct)``: 0 or the errno that
-    stopped it (``tmp`` is removed then), and False when O_DIRECT was refused here and the
-    write fell back to buffered I/O (the caller stops using O_DIRECT). ENOSPC/EDQUOT are
-    returned without a log line: the caller evicts and retries."""
+    when non-zero), give it its lineage ``record`` (:func:`lineage.attach`: published by the
+    same rename, so the file appears with it or not at all) and rename it to ``path``.
+    Returns ``(errno, direct)``: 0 or the errno that stopped it (``tmp`` is removed then), and
+    False when O_DIRECT was refused here and the write fell back to buffered I/O (the caller
+    stops using O_DIRECT). ENOSPC/EDQUOT are returned without a log line: the caller evicts
+    and retries."""
     for attempt in range(2):
         create = 0 if reused else os.O_CREAT | os.O_EXCL
         try:
@@ -230,6 +260,7 @@ def write_file(data: memoryview, size: int, tmp: str, path: str, reused: int, di
                     io.pwrite_full(fd, data)
                 if reused > size:
                     os.ftruncate(fd, size)
+                lineage.attach(fd, record, bool(reused), root)
             finally:
                 os.close(fd)
             os.replace(tmp, path)

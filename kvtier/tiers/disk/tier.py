@@ -12,7 +12,9 @@ are not fsynced: a kill cannot tear them, and a file torn by a power loss fails 
 This module holds the read and write paths. Its pieces: ``layout`` (file names, the
 start-up scan, the atomic publish of a file), ``index`` (index, byte accounting,
 eviction; the base class), ``direct_io`` (O_DIRECT, aligned buffers, checks). Start-up rebuilds
-the index from the chunk headers (``rebuild_stats``). Every read checks header, key and
+the index from the chunk headers (``rebuild_stats``), each chunk with the depth and parent its
+put gave (``lineage``: kept with the file, so leaf-first policies stay leaf-first; an adopted
+sharer's file too). Every read checks header, key and
 payload checksum (``decode_chunk(verify=True)``'s checks, without decompressing); a corrupt or
 truncated file is a ``Miss("corrupt")`` and is deleted, never served.
 
@@ -49,6 +51,7 @@ from kvtier.config import DiskTierConfig
 from kvtier.errors import ChunkError
 from kvtier.tiers.base import CORRUPT, ERROR, EVICTED, Entry, Miss, Probe, check_keys, leading_run
 from kvtier.tiers.disk import direct_io as io
+from kvtier.tiers.disk import lineage
 from kvtier.tiers.disk.direct_io import ALIGN, align_up
 from kvtier.tiers.disk.index import DiskIndex, Pending
 from kvtier.tiers.disk.layout import (
@@ -117,6 +120,9 @@ class DiskTier(DiskIndex):
                 view, size = io.read_file(fd, out, self._victim_scratch if victim else self._scratch,
                                           self.direct)
                 io.verify(view, key, size)
+                # Not indexed: adopted below if it may be, with the parent its put was given.
+                link = (lineage.NONE if victim or key in self._index
+                        else lineage.parse(lineage.fetch(fd), key, path))
             except (ChunkError, OSError) as exc:
                 log.warning("disk tier: dropping %s: %s", path, exc)
                 with self._lock:
@@ -134,7 +140,7 @@ class DiskTier(DiskIndex):
             if key in self._index:
                 self.policy.access(key)
             elif not victim and not self._closed and not dropped and self._adoptable(key):
-                self._adopt(key, size, pending)
+                self._adopt(key, size, pending, *link)
         self._finish(pending)
         return view
 
@@ -153,17 +159,18 @@ class DiskTier(DiskIndex):
                         continue
                 self._begin_read(key)
                 try:  # a regular file holding this key's chunk header, nothing less
-                    head, size = read_head(self._path(key))
+                    head, size, record = read_head(self._path(key))
                     io.check_header(head, key, size)
                 except (OSError, ChunkError):
                     with self._lock:
                         return Probe(hits, self._absent(key).reason)
                 finally:
                     dropped = self._end_read(key)
+                link = lineage.parse(record, key, self._path(key))  # the parent its put was given
                 with self._lock:
                     if dropped or not self._adoptable(key):  # this tier is removing that file
                         return Probe(hits, self._absent(key).reason)
-                    self._adopt(key, size, pending)
+                    self._adopt(key, size, pending, *link)
                 hits += 1
             return Probe(hits)
         finally:
@@ -217,6 +224,7 @@ class DiskTier(DiskIndex):
             log.debug("disk tier: refusing a put that is not a whole chunk of its key: %s", exc)
             return False
         size = align_up(n) if self.direct else n
+        record = lineage.encode(e.key, e.depth, e.parent)  # kept with the file (lineage.py)
         path = self._path(e.key)
         tmp = tmp_path(path, e.key, next(self._seq))
         pending = Pending()
@@ -241,10 +249,10 @@ class DiskTier(DiskIndex):
         err = errno.EIO
         try:  # the reservation is given back however this ends (an evict listener may raise)
             self._finish(pending)
-            err = self._write_file(data[:n], size, tmp, path, reused)
+            err = self._write_file(data[:n], size, tmp, path, reused, record)
             if err in NOSPACE:  # the file system is fuller than our own count says
                 self._free_for_nospace(size)
-                err = self._write_file(data[:n], size, tmp, path, 0)
+                err = self._write_file(data[:n], size, tmp, path, 0, record)
         finally:
             with self._lock:
                 self._reserved -= size
@@ -260,10 +268,10 @@ class DiskTier(DiskIndex):
             self.policy.insert(e.key, size, e.depth, e.parent)
         return True
 
-    def _write_file(self, data: memoryview, size: int, tmp: str, path: str, reused: int) -> int:
+    def _write_file(self, data: memoryview, size: int, tmp: str, path: str, reused: int, record: bytes) -> int:
         """:func:`layout.write_file` with this tier's medium; 0 or the errno. A refusal
         of O_DIRECT turns it off for this tier's later I/O."""
-        err, direct = write_file(data, size, tmp, path, reused, self.direct, self._scratch, self.root)
+        err, direct = write_file(data, size, tmp, path, reused, self.direct, self._scratch, self.root, record)
         if not direct:
             self.direct = False
         return err
