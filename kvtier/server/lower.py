@@ -17,6 +17,8 @@ with every other node through a cluster people already operate.
 - Tenancy: tenant ``t``'s chunks live under the Redis key prefix ``<redis.key_prefix>:<t>``
   (one :class:`RedisTier` per tenant); quotas apply to the node's tiers only, Redis bounds
   itself (``maxmemory``, ``redis.ttl_s``).
+- Links: a chunk read back from Redis is promoted with the depth and parent this node's Put of
+  it gave (remembered, bounded: kvtier.server.chunk_links), else as a root: Redis keeps none.
 - Failure: the redis tier never raises out of a verb (kvtier.tiers.redis): a dead master
   costs misses with reason ``node_down``/``timeout`` for the keys in its slots, and the tier
   re-pings it in the background, so recovery needs nothing from the operator.
@@ -51,6 +53,7 @@ from kvtier.tiers.base import CORRUPT, Entry, Miss, Probe
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.redis import RedisTier
+from kvtier.writebehind import Lineage
 
 
 class LowerTraffic(Traffic):
@@ -120,6 +123,9 @@ class LoweredStore(TenantStore):
         self.traffic: LowerTraffic = LowerTraffic(lower.name, self.writer.snapshot)
         self.prefetcher = Prefetcher(self._prefetch, f"kvtier-prefetch-{self.tenant.name}")
         self._wait_s = 2 * lower.config.timeout_s
+        # Depth and parent of the chunks this node's Puts gave Redis, for their read-back (Redis
+        # keeps none; a chunk another node put is promoted as a root: kvtier.server.chunk_links).
+        self.links = Lineage([lower.name])
 
     def probe(self, keys: Sequence[bytes]) -> Probe:
         local = super().probe(keys)
@@ -182,7 +188,7 @@ class LoweredStore(TenantStore):
                 outcomes.append((old.reason, value.reason))
             else:
                 outcomes.append((old.reason, None))
-                promote.append(Entry(keys[i], value))
+                promote.append(self.links.entry(keys[i], value))
                 nbytes += len(value)
         if promote:
             TenantStore.put(self, promote)
@@ -192,14 +198,16 @@ class LoweredStore(TenantStore):
     def _prefetch(self, keys: list[bytes]) -> None:
         """Background: ``keys`` from Redis into the node's tiers (verified); not counted as
         request traffic (the Get that follows counts as a node-tier hit)."""
-        promote = [Entry(k, v) for k, v in zip(keys, self.lower.get(keys))
+        promote = [self.links.entry(k, v) for k, v in zip(keys, self.lower.get(keys))
                    if not isinstance(v, Miss) and intact(k, v)]
         if promote:
             self.traffic.count_prefetched(sum(TenantStore.put(self, promote)))
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:
         stored = super().put(entries)
-        self.writer.offer(e for e, ok in zip(entries, stored) if ok)
+        offered = [e for e, ok in zip(entries, stored) if ok]
+        self.links.chunks_stored(self.lower.name, offered)
+        self.writer.offer(offered)
         return stored
 
     def delete(self, keys: Sequence[bytes]) -> list[bool]:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.config import CpuTierConfig, DiskTierConfig
 from kvtier.server.auth import Tenant
+from kvtier.server.chunk_links import from_disk
 from kvtier.server.pool import SharedPool
 from kvtier.server.tenant_budget import spare_slots, tier_cap, tier_share
 from kvtier.server.traffic import TenantUsage, Traffic
@@ -136,12 +137,7 @@ class TenantStore:
         if not missing:
             return first
         found = self.disk.get([keys[i] for i in missing])
-        promote: list[Entry] = []
-        for i, value in zip(missing, found):
-            first[i] = value
-            if not isinstance(value, Miss):
-                promote.append(Entry(keys[i], value))
-        self._cache(promote)
+        self._cache(from_disk(self.disk, keys, missing, found, first))  # with their links
         return first
 
     @contextmanager
@@ -177,12 +173,7 @@ class TenantStore:
         if not missing:
             return first
         found = self.disk.get_into([keys[i] for i in missing], [outs[i] for i in missing])
-        promote: list[Entry] = []
-        for i, value in zip(missing, found):
-            first[i] = value
-            if not isinstance(value, Miss):
-                promote.append(Entry(keys[i], outs[i][:value]))
-        self._cache(promote)
+        self._cache(from_disk(self.disk, keys, missing, found, first, outs))  # with their links
         return first
 
     def put(self, entries: Sequence[Entry]) -> list[bool]:
