@@ -74,6 +74,18 @@ def chunk_for(key: bytes, tokens: int = 16, salt: int = 0) -> bytes:
     return bytes(encode_chunk(NAMESPACE, key, DTYPE, shape, payload.tobytes()))
 
 
+LEAF_FIRST = ["prefix", "lfu", "adaptive", "dueling"]  # the prefix-aware eviction policies
+
+
+def chains(tag: str, n: int, depth: int) -> list[list[Entry]]:
+    """``n`` prefixes of ``depth`` chunks each, every chunk linked to the one before it."""
+    out = []
+    for c in range(n):
+        keys = [key_of(f"{tag}{c}/{d}") for d in range(depth)]
+        out.append([Entry(k, chunk_for(k), d, keys[d - 1] if d else b"") for d, k in enumerate(keys)])
+    return out
+
+
 CHUNK = len(chunk_for(key_of(0)))  # bytes of a default test chunk (2176)
 
 

@@ -27,19 +27,9 @@ from kvtier.store import TieredStore
 from kvtier.tiers.base import Entry
 from kvtier.tiers.disk import DiskTier, lineage
 from kvtier.tiers.memory import MemoryTier
-from tests.contract import chunk_for, key_of
+from tests.contract import LEAF_FIRST, chains, chunk_for, key_of
 
 SIZE = len(chunk_for(key_of("size")))  # every chunk here has this many bytes (buffered I/O)
-LEAF_FIRST = ["prefix", "lfu", "adaptive", "dueling"]  # the prefix-aware policies
-
-
-def chains(tag: str, n: int, depth: int) -> list[list[Entry]]:
-    """``n`` prefixes of ``depth`` chunks each, every chunk linked to the one before it."""
-    out = []
-    for c in range(n):
-        keys = [key_of(f"{tag}{c}/{d}") for d in range(depth)]
-        out.append([Entry(k, chunk_for(k), d, keys[d - 1] if d else b"") for d, k in enumerate(keys)])
-    return out
 
 
 def open_tier(path: Path, chunks: int, policy: str) -> DiskTier:

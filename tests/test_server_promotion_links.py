@@ -29,21 +29,11 @@ from kvtier.tiers.base import Entry, Miss
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.redis import RedisTier
-from tests.contract import chunk_for, key_of
+from tests.contract import LEAF_FIRST, chains
 from tests.redis_servers import FAST, RedisServer, have_redis
 
 SLOT = 64 << 10
 RAM_SLOTS = 16
-LEAF_FIRST = ["prefix", "lfu", "adaptive", "dueling"]  # the prefix-aware policies
-
-
-def chains(tag: str, n: int, depth: int) -> list[list[Entry]]:
-    """``n`` prefixes of ``depth`` chunks each, every chunk linked to the one before it."""
-    out = []
-    for c in range(n):
-        keys = [key_of(f"{tag}{c}/{d}") for d in range(depth)]
-        out.append([Entry(k, chunk_for(k), d, keys[d - 1] if d else b"") for d, k in enumerate(keys)])
-    return out
 
 
 def storage(path: Path, policy: str, factory: Callable[..., TenantStore] | None = None) -> Storage:
