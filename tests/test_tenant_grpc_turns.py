@@ -88,3 +88,39 @@ def test_unread_streams_stall_only_their_own_tenant(server: ServerProc) -> None:
         # the cancelled streams gave alice's turn back
         assert get(stub, ALICE, small[:1], timeout=10) == {0: make_chunk(small[0], 4096)}
         assert get(stub, ALICE, big[:2], timeout=10) == {0: make_chunk(big[0], 900_000), 1: make_chunk(big[1], 900_000)}
+
+
+def test_a_stream_nobody_reads_gives_its_turn_back(tmp_path: Path) -> None:
+    """With ``grpc_send_stall_s`` 2 s: alice's unread streams (no client deadline, never
+    cancelled) give her one turn back after 2 s each, so her next Get goes through while they
+    still wait; read later, they deliver every chunk. Before, a client that hung with no
+    deadline held its tenant's turns until TCP gave up."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ALICE} alice\n")
+    tokens.chmod(0o600)
+    node = start_server(tmp_path / "n", "--tokens-file", str(tokens), "--cpu-bytes", "64MiB", "--slot-bytes", "1MiB",
+                        env={"KVTIER_SERVER_GRPC_GET_TURNS_PER_TENANT": "1", "KVTIER_SERVER_GRPC_SEND_STALL_S": "2"})
+    try:
+        big, small = make_keys(12, seed=64), make_keys(1, seed=65)
+        with grpc.insecure_channel(node.address) as channel, \
+                grpc.insecure_channel(node.address, options=STALLED) as stalled_channel:
+            stub = pb_grpc.KVTierStub(channel)
+            put(stub, ALICE, big, 900_000)
+            put(stub, ALICE, small, 4096)
+            unread = [pb_grpc.KVTierStub(stalled_channel).Get(pb.GetRequest(keys=big), metadata=md(ALICE))
+                      for _ in range(2)]
+            wait_until_stalled(stub, small[0])
+            end = time.monotonic() + 15
+            while True:  # each unread stream holds the one turn for ~2 s, then goes on without
+                try:
+                    assert get(stub, ALICE, small, timeout=5) == {0: make_chunk(small[0], 4096)}
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+                    assert time.monotonic() < end, "the unread streams kept alice's turn"
+            for call in unread:  # nothing was lost for them
+                got = {i.index: i.chunk for r in call for i in r.items}
+                assert got == {i: make_chunk(k, 900_000) for i, k in enumerate(big)}
+        assert "took no reply" in node.log
+    finally:
+        assert node.stop() == 0, node.log

@@ -80,6 +80,9 @@ class ServerConfig:
     # sends, fewer keeps the other tenants' gRPC calls quick under its load
     # (bench/tenant_flood.py). The data path is not affected.
     grpc_get_turns_per_tenant: int = field(default=2, metadata=value_range(1, 256))
+    # A gRPC Get whose client takes no reply for this long (it stopped reading, or hung with
+    # no deadline) gives its tenant's turn back and goes on without it.
+    grpc_send_stall_s: float = field(default=30.0, metadata=value_range(0.1, 3600))
     max_data_connections: int = field(default=256, metadata=value_range(1, 65536))
     # Data connections that have not authenticated yet: their own small cap (a new one pushes
     # out the oldest) and a hard deadline for TLS + HELLO, so no token-less peer holds slots.

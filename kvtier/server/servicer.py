@@ -75,7 +75,8 @@ class KVTierServicer:
 
     def __init__(self, storage: Storage, auth: Authenticator, limits: Limits, metrics: ServerMetrics,
                  executor: Executor, node_id: str, endpoints: Sequence[Endpoint] = (),
-                 usage: UsageAggregator | None = None, get_turns_per_tenant: int = 2) -> None:
+                 usage: UsageAggregator | None = None, get_turns_per_tenant: int = 2,
+                 send_stall_s: float = 30.0) -> None:
         self.storage = storage
         self.auth = auth
         self.limits = limits
@@ -86,6 +87,7 @@ class KVTierServicer:
         self.usage = usage if usage is not None else UsageAggregator()
         self.started = time.monotonic()
         self.gate = FairGate(get_turns_per_tenant)  # each tenant's turns for Get replies
+        self.send_stall_s = send_stall_s
 
     def handler(self) -> grpc.GenericRpcHandler:
         def ser(msg: Any) -> bytes:
@@ -207,7 +209,11 @@ class KVTierServicer:
         self.metrics.bytes.labels("in", "grpc").inc(sum(len(e.data) for e in entries))
         return results
 
-    async def _get(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def _get(self, raw: bytes, context: aio.ServicerContext) -> None:
+        """Streams the replies with ``context.write``, each batch under one of the tenant's
+        turns. A client that takes no reply for ``send_stall_s`` (it stopped reading, or hung
+        with no deadline) gives the turn back: the call goes on without it, so the tenant's
+        other Gets are not held up for as long as that client is."""
         start = time.perf_counter()
         code = "OK"
         try:
@@ -222,18 +228,41 @@ class KVTierServicer:
         # can read them) unless a single chunk is bigger; Info advertises the real maximum.
         budget = min(self.limits.max_message_bytes, 4 << 20) - (64 << 10)
         sent = 0
+        writing: asyncio.Future[None] | None = None
         try:
             for base in range(0, len(keys), _GET_BATCH):
                 async with self.gate.turn(tenant):  # held until grpc has taken the messages
                     messages, nbytes = await self._run(_get_batch, store, keys[base : base + _GET_BATCH],
                                                        base, budget)
-                    for message in messages:
-                        yield message
+                    writing, rest = await _write_within(context, messages, self.send_stall_s)
+                if writing is not None:  # stalled: the rest without the turn
+                    log.info("Get of tenant %r: the client took no reply for %gs; its turn goes back",
+                             tenant, self.send_stall_s)
+                    await writing
+                    for message in rest:
+                        await context.write(message)
+                    writing = None
                 sent += nbytes
         finally:
+            if writing is not None:
+                writing.cancel()  # the call is ending (cancelled by the client, or an error)
             self.metrics.bytes.labels("out", "grpc").inc(sent)
             self.metrics.requests.labels("Get", code).inc()
             self.metrics.seconds.labels("Get").observe(time.perf_counter() - start)
+
+
+async def _write_within(context: aio.ServicerContext, messages: Sequence[bytes], stall_s: float
+                        ) -> tuple[asyncio.Future[None] | None, list[bytes]]:
+    """Write ``messages`` in order; when one is not taken within ``stall_s``, return its
+    write (still running: never cancelled here, a cancelled write breaks the call) and the
+    messages after it. ``(None, [])`` when all were taken."""
+    for i, message in enumerate(messages):
+        write = asyncio.ensure_future(context.write(message))
+        done, _ = await asyncio.wait({write}, timeout=stall_s)
+        if not done:
+            return write, list(messages[i + 1 :])
+        write.result()  # a failed write raises here
+    return None, []
 
 
 def _get_batch(store: Any, keys: Sequence[bytes], first: int, budget: int) -> tuple[list[bytes], int]:
