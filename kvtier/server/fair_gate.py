@@ -10,9 +10,9 @@ opens. Small calls (Lookup, Delete, Info, Stats) never take a turn; Put requests
 (the servicer says why).
 
 The turns are per tenant, not one shared pool handed round: a Get turn is held until grpc
-has taken the message, and a client that stops reading holds it until its deadline. Shared
-turns would let one tenant's unread streams stall everyone's bulk calls; here they stall only
-that tenant's own.
+has taken the message, and a client that stops reading holds it (for ``grpc_send_stall_s``,
+then its call goes on without it: kvtier.server.servicer). Shared turns would let one
+tenant's unread streams stall everyone's bulk calls; here they stall only that tenant's own.
 
 Threads: the event loop's only (no locks); a waiter cancelled while it waits or holds a turn
 leaves the counts right (asyncio.Semaphore's own rules).
