@@ -20,7 +20,6 @@ Where a promoted chunk's link comes from:
 
 from __future__ import annotations
 
-import os
 from collections.abc import MutableSequence, Sequence
 from typing import Any
 
@@ -34,12 +33,8 @@ __all__ = ["disk_link", "from_disk"]
 def disk_link(disk: DiskTier, key: bytes) -> tuple[int, bytes]:
     """``(depth, parent)`` that the put of ``key``'s chunk gave, from its file's lineage
     record; ``(0, b"")`` when none is known. Never raises."""
-    path = chunk_path(disk.root, key)
-    try:  # the tier's files are regular files (layout.open_regular): a symlink is not one
-        raw = os.getxattr(path, lineage.NAME, follow_symlinks=False)
-    except OSError:  # ENODATA (no record), ENOENT (evicted since the read), ENOTSUP...
-        return lineage.NONE
-    return lineage.parse(raw, key, path)
+    path = chunk_path(disk.root, key)  # evicted since the read: no record, a root
+    return lineage.parse(lineage.fetch(path), key, path)
 
 
 def from_disk(disk: DiskTier, keys: Sequence[bytes], missing: Sequence[int], found: Sequence[Any],

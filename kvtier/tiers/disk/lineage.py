@@ -106,12 +106,15 @@ def decode(raw: bytes, key: bytes) -> tuple[int, bytes]:
     return depth, b"" if parent == _NO_PARENT else parent
 
 
-def fetch(fd: int) -> bytes | None:
-    """The raw record of the open file ``fd``; None when it has none (or the file system keeps
-    no xattrs, or reading it failed)."""
+def fetch(file: int | str) -> bytes | None:
+    """The raw record of ``file``, an open descriptor or a path (never through a
+    symlink: the tier's files are regular files); None when it has none (or the file system
+    keeps no xattrs, the file is gone, or reading it failed)."""
     try:
-        return os.getxattr(fd, NAME)
-    except OSError:  # ENODATA (none), ENOTSUP, EIO...: no parent known
+        if isinstance(file, str):
+            return os.getxattr(file, NAME, follow_symlinks=False)
+        return os.getxattr(file, NAME)
+    except OSError:  # ENODATA (none), ENOENT, ENOTSUP, EIO...: no parent known
         return None
 
 
