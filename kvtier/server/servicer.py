@@ -258,7 +258,11 @@ async def _write_within(context: aio.ServicerContext, messages: Sequence[bytes],
     messages after it. ``(None, [])`` when all were taken."""
     for i, message in enumerate(messages):
         write = asyncio.ensure_future(context.write(message))
-        done, _ = await asyncio.wait({write}, timeout=stall_s)
+        try:
+            done, _ = await asyncio.wait({write}, timeout=stall_s)
+        except BaseException:  # the call is ending (the client cancelled): so is its write
+            write.cancel()
+            raise
         if not done:
             return write, list(messages[i + 1 :])
         write.result()  # a failed write raises here
