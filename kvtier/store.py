@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 _REASON_RANK = {ABSENT: 0, EVICTED: 1}
 
 
-
-
 class TieredStore:
     def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None,
                  metrics: Metrics | None = None) -> None:

@@ -130,7 +130,8 @@ class KVTierServer:
             if self.data.shm_bytes:  # same data port: SHM_OPEN upgrades a connection
                 endpoints.append(Endpoint("shm", self.ports["data"], tls_ctx is not None))
         servicer = KVTierServicer(self.storage, self.auth, limits, self.metrics, self.executor,
-                                  self.node_id, endpoints, self.usage, get_turns_per_tenant=cfg.grpc_get_turns_per_tenant,
+                                  self.node_id, endpoints, self.usage,
+                                  get_turns_per_tenant=cfg.grpc_get_turns_per_tenant,
                                   send_stall_s=cfg.grpc_send_stall_s)
         server = aio.server(options=grpc_server_options(cfg))
         server.add_generic_rpc_handlers((servicer.handler(),))

@@ -3,8 +3,8 @@ atomic publish of one chunk file.
 
 Layout: ``<root>/<2 hex>/<64 hex key>.kvc`` holds an encoded chunk (``kvtier.chunk``),
 zero-padded to 4096 bytes under O_DIRECT (the header carries the true length), and in an
-extended attribute the chunk's depth and parent key (``lineage``; older files have none). Temp files are
-``.<hex>.<pid>.<seq>.tmp`` beside it. A chunk file appears only by ``os.replace`` of a finished
+extended attribute the chunk's depth and parent key (``lineage``; older files have none).
+Temp files are ``.<hex>.<pid>.<seq>.tmp`` beside it. A chunk file appears only by ``os.replace`` of a finished
 temp file, so a ``kill -9`` at any moment leaves either no file or a whole one. Start-up
 (:func:`scan`) finds the chunk files by their headers, deletes files of ours (kvtier chunk
 magic) whose header is bad or disagrees with their length, and removes temp files of dead
