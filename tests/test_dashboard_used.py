@@ -1,6 +1,6 @@
 """The cluster dashboard's used / capacity per tier (kvtier.server.dashboard.node_summary):
 counted as the capacity it is divided by counts, so it never passes 1 on a healthy node.
-The same figure through a real Prometheus and server: tests/test_prometheus.py."""
+The same figure through a real Prometheus and server: tests/test_prometheus_formulas.py."""
 
 from __future__ import annotations
 

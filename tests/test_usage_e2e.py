@@ -7,9 +7,8 @@ replica shows as stopped reporting; the tenant comes from the token, never the p
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from kvtier_hf.random_llama import TEST_SPEC, build_random_llama, random_prompt 
 from kvtier.config import KVTierConfig  # noqa: E402
 from tests.kvtier_servers import ServerProc, start_server  # noqa: E402
 from tests.redis_servers import free_port  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 INTERVAL = 0.3
 CHUNK = 16
@@ -32,17 +32,6 @@ CHUNK = 16
 def get_json(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return json.loads(resp.read())  # type: ignore[no-any-return]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 10.0) -> Any:
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
 
 
 @pytest.fixture(scope="module")
